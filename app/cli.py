@@ -1,0 +1,87 @@
+"""`prefixserve` command line: generate (one prompt) and serve (the OpenAI-compatible server)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field as a flag named like the LLM argument (--max-num-seqs ...)."""
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            continue
+        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default: {f.default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM(**dataclasses.asdict(config))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed_sampling
+    )
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from app.server import serve
+
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixserve", description="Prefix-sharing LLM inference.")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate, model=DEFAULT_MODEL)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--served-model-name", nargs="+", default=None)
+    serve.add_argument("--max-waiting-requests", type=int, default=256)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"prefixserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

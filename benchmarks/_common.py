@@ -1,0 +1,53 @@
+"""Shared helpers for benchmarks: results folder, JSON + PNG writing, environment facts."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2) + "\n")
+    return path
+
+
+def bar_plot(name: str, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        xs = [g + i * width for g in range(len(groups))]
+        bars = ax.bar(xs, values, width, label=label)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

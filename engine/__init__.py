@@ -1,0 +1,23 @@
+"""prefixserve engine: paged KV cache, continuous batching, prefix sharing.
+
+    from engine import LLM, SamplingParams
+"""
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import (
+    ContextLengthExceededError,
+    EngineDeadError,
+    InvalidConfigError,
+    InvalidRequestError,
+    PrefixServeError,
+)
+from engine.llm import LLM
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngine", "CompletionOutput", "ContextLengthExceededError", "Engine", "EngineConfig", "EngineDeadError",
+    "InvalidConfigError", "InvalidRequestError", "LLM", "Logprob", "PrefixServeError", "RequestOutput",
+    "SamplingParams",
+]

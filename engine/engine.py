@@ -1,0 +1,356 @@
+"""Engine: requests in, RequestOutputs out, one `step()` at a time.
+
+    step():  schedule -> run the model -> postprocess (append tokens, stop checks, free blocks)
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer, stream_safe_text
+from engine.errors import ContextLengthExceededError, InvalidConfigError, InvalidRequestError
+from engine.model_runner import ModelRunner, RunnerOutput
+from engine.models.config import ModelConfig, load_model_config
+from engine.models.loader import load_model
+from engine.models.resolve import model_fingerprint, resolve_model
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from engine.sequence import Sequence
+from kernels import get_attention_ops
+from prefix_cache import BlockManager
+
+logger = logging.getLogger("prefixserve")
+
+PromptInput = str | list[int] | dict
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        folder = resolve_model(config.model)
+        self.model_path = folder
+        self.model_config: ModelConfig = load_model_config(folder)
+        self.max_model_len = _max_model_len(config, self.model_config)
+        self.tokenizer = _load_tokenizer(folder)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        model = load_model(folder, self.model_config, self.dtype, self.device)
+        num_blocks = self._num_kv_blocks()
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            extra_keys=(model_fingerprint(folder), config.dtype),
+        )
+        self.scheduler = Scheduler(
+            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy), self.blocks
+        )
+        ops = get_attention_ops(config.attention_backend, self.device)
+        self.runner = ModelRunner(
+            model, self.model_config, num_blocks, config.block_size, ops, self.device, self.dtype, config.seed
+        )
+        self.requests: dict[str, RequestState] = {}
+        self.counters = EngineCounters()
+        self._arrivals = itertools.count()
+        kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+        logger.info(
+            "model %s (%s, %d layers, %d/%d heads) dtype=%s device=%s attention=%s; KV cache: %d blocks x %d tokens "
+            "= %d tokens, %.1f MiB; max_model_len=%d",
+            config.model, self.model_config.architecture, self.model_config.num_layers, self.model_config.num_heads,
+            self.model_config.num_kv_heads, config.dtype, self.device, ops.name, num_blocks, config.block_size,
+            num_blocks * config.block_size, kv_bytes / 2**20, self.max_model_len,
+        )
+
+    # -- public API ---------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use.", param="request_id")
+        text, token_ids = self._tokenize(prompt)
+        params = self._effective_params(params, len(token_ids))
+        state = RequestState(request_id, text, token_ids, [], arrival_time or time.monotonic())
+        order = next(self._arrivals)
+        for i in range(params.n):
+            state.seqs.append(Sequence(
+                seq_id=f"{request_id}#{i}", request_id=request_id, index=i, params=params.for_sample(i),
+                token_ids=list(token_ids), num_prompt_tokens=len(token_ids), arrival_order=order,
+                priority=priority, cache_salt=cache_salt,
+                logprobs=[] if params.logprobs is not None else None,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            ))
+        self.requests[request_id] = state
+        for seq in state.seqs:
+            self.scheduler.add(seq)
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        result = self.runner.execute(batch)
+        self.blocks.release_copy_sources()
+        return self._postprocess(batch, result)
+
+    def abort(self, request_id: str) -> bool:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def kv_cache_usage(self) -> dict[str, int]:
+        return self.blocks.usage()
+
+    def stats(self) -> dict:
+        """Numbers for /metrics: queue sizes, KV usage, prefix cache, token counters."""
+        usage = self.blocks.usage()
+        cache = self.blocks.stats()
+        return {
+            "num_requests_running": len({s.request_id for s in self.scheduler.running}),
+            "num_requests_waiting": len({s.request_id for s in self.scheduler.waiting}),
+            "kv_cache_usage_perc": usage["num_in_use"] / max(usage["num_blocks"], 1),
+            "prefix_cache_queries": cache.queries,
+            "prefix_cache_hits": cache.hits,
+            "prefix_cache_evictions": cache.evictions,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.counters.prompt_tokens,
+            "generation_tokens": self.counters.generation_tokens,
+            "request_success": dict(self.counters.requests_finished),
+        }
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()
+        live = {s.seq_id for s in self.scheduler.running}
+        for seq in self.scheduler.waiting:
+            assert not self.blocks.has_seq(seq.seq_id), f"waiting {seq.seq_id} holds blocks"
+        for seq_id in live:
+            assert self.blocks.has_seq(seq_id), f"running {seq_id} holds no blocks"
+
+    # -- admission ------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'.", param="prompt")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}).", param="prompt")
+        else:
+            raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}.", param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty.", param="prompt")
+        return text, ids
+
+    def _effective_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        if params.use_beam_search:
+            raise InvalidRequestError("beam search is not supported yet.", param="use_beam_search")
+        room = self.max_model_len - prompt_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens < 1 or prompt_len + max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, {max(max_tokens, 1)} "
+                f"for the completion). Please reduce the prompt or the completion length.",
+                param="max_tokens" if prompt_len < self.max_model_len else "prompt",
+            )
+        # KV is stored for every token but the last sampled one.
+        blocks_needed = -(-(prompt_len + max_tokens - 1) // self.config.block_size)
+        if blocks_needed > self.blocks.num_blocks:
+            raise ContextLengthExceededError(
+                f"the request needs {blocks_needed} KV blocks but the pool has {self.blocks.num_blocks}; "
+                f"reduce the prompt or max_tokens, or enlarge the KV cache.",
+                param="max_tokens",
+            )
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens exceeds the {max_tokens} tokens available.", param="min_tokens")
+        return params if params.max_tokens == max_tokens else replace(params, max_tokens=max_tokens)
+
+    # -- postprocess ----------------------------------------------------------------------
+    def _postprocess(self, batch: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            state = self.requests[seq.request_id]
+            state.first_scheduled_time = state.first_scheduled_time or now
+            if chunk.start < seq.num_prompt_tokens:
+                self.counters.prompt_tokens += min(chunk.end, seq.num_prompt_tokens) - chunk.start
+            if seq.seq_id in result.prompt_logprobs:
+                self._append_prompt_logprobs(seq, result.prompt_logprobs[seq.seq_id])
+        samples = result.samples
+        for row, chunk in enumerate(result.sampled_chunks):
+            seq = chunk.seq
+            self._append_token(seq, row, samples)
+            state = self.requests[seq.request_id]
+            state.first_token_time = state.first_token_time or now
+            state.last_token_time = now
+            state.token_times.append(now)
+            touched[state.request_id] = state
+        return [self._request_output(state) for state in touched.values()]
+
+    def _append_token(self, seq: Sequence, row: int, samples) -> None:
+        token = samples.token_ids[row]
+        previous_len = len(seq.text)
+        seq.token_ids.append(token)
+        self.counters.generation_tokens += 1
+        if seq.logprobs is not None:
+            seq.cumulative_logprob += samples.logprobs[row]
+            entry = {tid: Logprob(lp, rank + 1, self.detokenizer.decode_token(tid))
+                     for rank, (tid, lp) in enumerate(samples.top_logprobs[row])}
+            entry.setdefault(token, Logprob(samples.logprobs[row], samples.ranks[row],
+                                            self.detokenizer.decode_token(token)))
+            seq.logprobs.append(entry)
+        p = seq.params
+        stop = self.detokenizer.update(seq, previous_len)
+        if p.stop_token_ids and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.model_config.eos_token_ids and not p.ignore_eos:
+            seq.finish_reason = "stop"
+        elif stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop.stop
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self._finish(seq)
+
+    def _append_prompt_logprobs(self, seq: Sequence, lp) -> None:
+        for j, (chosen, rank, top) in enumerate(zip(lp.token_logprobs, lp.ranks, lp.top)):
+            token = seq.token_ids[lp.first_position + j]
+            entry = {tid: Logprob(v, r + 1, self.detokenizer.decode_token(tid)) for r, (tid, v) in enumerate(top)}
+            entry.setdefault(token, Logprob(chosen, rank, self.detokenizer.decode_token(token)))
+            seq.prompt_logprobs.append(entry)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self.runner.release(seq.seq_id)
+        state = self.requests.get(seq.request_id)
+        if state is not None and state.finished:
+            reason = seq.finish_reason or "stop"
+            self.counters.requests_finished[reason] = self.counters.requests_finished.get(reason, 0) + 1
+
+    def _request_output(self, state: RequestState) -> RequestOutput:
+        finished = state.finished
+        outputs = []
+        for seq in state.seqs:
+            text = seq.text if seq.is_finished else stream_safe_text(seq.text, seq.params.stop_strings)
+            outputs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            ))
+        first = state.seqs[0]
+        if finished:
+            self.requests.pop(state.request_id, None)
+        metrics = {"arrival_time": state.arrival_time}
+        for name in ("first_scheduled_time", "first_token_time", "last_token_time"):
+            if getattr(state, name) is not None:
+                metrics[name] = getattr(state, name)
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs, finished=finished, num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            metrics=metrics,
+        )
+
+    # -- sizing ---------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = cfg.block_size * self.model_config.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1.0 - cfg.gpu_memory_utilization))
+        else:
+            from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise InvalidConfigError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes.")
+        return int(num_blocks)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidConfigError("device 'cuda' was requested but no CUDA device is available.")
+    return device
+
+
+def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    limit = model.max_position_embeddings
+    if model.sliding_window is not None and model.sliding_window < limit:
+        # Sliding-window attention is not implemented: stay inside the window, where full
+        # attention and windowed attention agree.
+        limit = model.sliding_window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise InvalidConfigError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit}.")
+    return config.max_model_len
+
+
+def _load_tokenizer(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

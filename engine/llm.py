@@ -1,0 +1,112 @@
+"""LLM: the offline API (vLLM-style). `LLM(model=...).generate(prompts, params)`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.engine import Engine, PromptInput
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p, prio in zip(ids, prompts, params, priorities):
+                self.engine.add_request(request_id, prompt, p, priority=prio, cache_salt=cache_salt)
+        except Exception:
+            for request_id in ids:  # leave no half-submitted batch behind
+                self.engine.abort(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: list[dict], add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
+    ) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template.", param="messages")
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+        )
+        # The template already holds any BOS token: do not add special tokens twice.
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def kv_cache_usage(self) -> dict[str, int]:
+        return self.engine.kv_cache_usage()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
+        try:
+            while len(finals) < len(ids) and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finals[i] for i in ids]
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if value is None:
+        return [SamplingParams()] * n
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts.", param=name)
+        return list(value)
+    return [value] * n

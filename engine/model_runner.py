@@ -1,0 +1,153 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
+
+The only component that builds tensors. It owns the KV pool and the per-sequence random
+generators; it never decides anything about scheduling or block ownership.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import SampleResult, SampleRow, Sampler
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from kernels import AttentionOps
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens [first_position, first_position + len(token_logprobs))."""
+
+    first_position: int
+    token_logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled_chunks: tuple[ScheduledChunk, ...]  # aligned with `samples` rows
+    samples: SampleResult
+    prompt_logprobs: dict[str, PromptLogprobs]  # seq_id -> this step's prompt logprobs
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        ops: AttentionOps,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+    ) -> None:
+        self.model, self.cfg, self.ops = model, model_config, ops
+        self.block_size, self.device, self.dtype = block_size, device, dtype
+        cfg = model_config
+        self.kv_cache = torch.zeros(  # [L, 2, NB, BS, Hkv, D]
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+        )
+        self.scale = cfg.head_dim ** -0.5
+        self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, seq_id: str) -> None:
+        self._generators.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        if batch.copies:
+            self.ops.copy_blocks(self.kv_cache, torch.tensor(batch.copies, dtype=torch.long, device=self.device))
+        chunks = sorted(batch.chunks, key=lambda c: c.num_new_tokens != 1)  # decodes first
+        input_ids, positions, attn = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_cache, attn)  # [T, hidden]
+
+        # Only the last position of a chunk that reaches the end of its tokens needs logits.
+        ends = torch.tensor([c.num_new_tokens for c in chunks]).cumsum(0) - 1
+        sampled = [i for i, c in enumerate(chunks) if c.needs_sample]
+        sampled_chunks = tuple(chunks[i] for i in sampled)
+        logits = self.model.compute_logits(hidden[ends[sampled].to(self.device)]).cpu()  # [S, V]
+        rows = [self._sample_row(c) for c in sampled_chunks]
+        want_logprobs = any(c.seq.params.logprobs is not None for c in sampled_chunks)
+        samples = self.sampler(logits, rows, want_logprobs)
+        prompt_lp = self._prompt_logprobs(chunks, hidden, ends)
+        return RunnerOutput(sampled_chunks, samples, prompt_lp)
+
+    # -- tensors ------------------------------------------------------------------------
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start:c.end])
+            for p in range(c.start, c.end):
+                slots.append(c.block_ids[p // bs] * bs + p % bs)
+            pos.extend(range(c.start, c.end))
+        decodes = [c for c in chunks if c.num_new_tokens == 1]
+        prefills = chunks[len(decodes):]
+        qsl = [0]
+        for c in prefills:
+            qsl.append(qsl[-1] + c.num_new_tokens)
+        dev = self.device
+        attn = AttentionMetadata(
+            ops=self.ops,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._block_table(decodes),
+            decode_seq_lens=torch.tensor([c.end for c in decodes], dtype=torch.int32, device=dev),
+            prefill_block_tables=self._block_table(prefills),
+            prefill_seq_lens=torch.tensor([c.end for c in prefills], dtype=torch.int32, device=dev),
+            prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            scale=self.scale,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            attn,
+        )
+
+    def _block_table(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        # Only the blocks covering [0, end) are read; pad with 0 (never read past seq_len).
+        width = max((-(-c.end // self.block_size) for c in chunks), default=1)
+        table = [list(c.block_ids[:width]) + [0] * (width - min(len(c.block_ids), width)) for c in chunks]
+        return torch.tensor(table, dtype=torch.int32, device=self.device).reshape(len(chunks), width)
+
+    # -- sampling -----------------------------------------------------------------------
+    def _sample_row(self, chunk: ScheduledChunk) -> SampleRow:
+        seq, p = chunk.seq, chunk.seq.params
+        generator = None
+        if p.seed is not None:
+            generator = self._generators.get(seq.seq_id)
+            if generator is None:
+                generator = self._generators[seq.seq_id] = torch.Generator().manual_seed(p.seed)
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else self.cfg.eos_token_ids)
+        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, generator, banned)
+
+    def _prompt_logprobs(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor, ends: torch.Tensor
+    ) -> dict[str, PromptLogprobs]:
+        result: dict[str, PromptLogprobs] = {}
+        for i, c in enumerate(chunks):
+            k = c.seq.params.prompt_logprobs
+            # Logits at position p score prompt token p+1, so positions up to num_prompt-2 count.
+            last = min(c.end, c.seq.num_prompt_tokens - 1)
+            if k is None or c.start >= last:
+                continue
+            first_row = int(ends[i]) - c.num_new_tokens + 1
+            rows = hidden[first_row:first_row + (last - c.start)]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).cpu(), dim=-1)  # [n, V]
+            targets = torch.tensor(c.seq.token_ids[c.start + 1:last + 1])
+            chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+            ranks = (logprobs > chosen.unsqueeze(1)).sum(-1) + 1
+            top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+            top = [list(zip(ti, tv)) for ti, tv in zip(top_i.tolist(), top_v.tolist())]
+            result[c.seq.seq_id] = PromptLogprobs(c.start + 1, chosen.tolist(), ranks.tolist(), top)
+        return result

@@ -1,0 +1,102 @@
+"""ModelConfig: the architecture facts our model code needs, read from a HF config.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import InvalidConfigError
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# RoPE types whose frequencies are fixed at load time. "dynamic" and "longrope" rescale with the
+# running sequence length, which paged KV computed at an earlier length cannot follow.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2, some Llamas)
+    o_bias: bool
+    mlp_bias: bool
+    rope_type: str
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})."
+            )
+        if self.rope_type not in STATIC_ROPE_TYPES:
+            raise InvalidConfigError(
+                f"rope type {self.rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}."
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer, per token, per byte of element size (multiply by itemsize)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _eos_ids(folder: Path, raw: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = folder / "generation_config.json"
+    sources = [raw]
+    if gen.exists():
+        sources.insert(0, json.loads(gen.read_text()))
+    for src in sources:
+        value = src.get("eos_token_id")
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return tuple(ids)
+
+
+def load_model_config(folder: str | Path) -> ModelConfig:
+    folder = Path(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED:
+        raise InvalidConfigError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)}.")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise InvalidConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu).")
+    num_heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    sliding = raw.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        rope_type=rope_type,
+        sliding_window=sliding if isinstance(sliding, int) else None,
+        eos_token_ids=_eos_ids(folder, raw),
+        bos_token_id=raw.get("bos_token_id"),
+    )

@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) with attention read through block tables.
+
+Module names match Hugging Face's checkpoints so weights load by name. The KV cache is one
+tensor for all layers, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; each
+layer writes its new K/V into slots and reads all K/V through the block tables.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, exactly as HF does, so float32
+        # and bfloat16 runs round the same way as the reference implementation.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos/sin: [T, D] -> broadcast over heads
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,  # [T, D]
+        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        k_cache, v_cache = kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1]
+        attn.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+
+        nd = attn.num_decode_tokens
+        outs = []
+        if nd:
+            outs.append(attn.ops.paged_attention_decode(
+                q[:nd], k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens, attn.scale
+            ))  # [nd, Hq, D]
+        if nd < T:
+            outs.append(attn.ops.paged_attention_prefill(
+                q[nd:], k_cache, v_cache, attn.prefill_block_tables, attn.prefill_seq_lens,
+                attn.prefill_query_start_loc, attn.scale,
+            ))  # [T-nd, Hq, D]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Qwen2ForCausalLM and MistralForCausalLM: they differ only in config flags."""
+
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [D/2]
+        self.rope_scaling = rope_scaling
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Computed in float32 once per step and shared by all layers (HF does the same math per layer).
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, attn)
+        return self.model.norm(x)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab]

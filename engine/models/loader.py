@@ -1,0 +1,35 @@
+"""Build our model from a resolved Hugging Face folder: config -> module -> checkpoint weights."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine.errors import InvalidConfigError
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.models.rope import rope_frequencies
+
+
+def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    folder = Path(folder)
+    inv_freq, rope_scaling = rope_frequencies(folder)
+    # Build on the meta device: no time spent on random init of weights we overwrite anyway.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, torch.empty(cfg.head_dim // 2), rope_scaling)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise InvalidConfigError(f"checkpoint in {folder} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    state = {k: v.to(dtype=dtype, device=device) for k, v in state.items() if k in expected}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = inv_freq.to(device)
+    return model.eval()

