@@ -24,18 +24,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import sys  # noqa: E402
 import threading  # noqa: E402
 
-# pytest puts tests/ on sys.path for this conftest (rootdir-less "prepend" import mode). tests/engine,
-# tests/kernels and tests/prefix_cache have no __init__.py, so without a regular package of the same name
-# elsewhere on sys.path, `import engine` would find the *namespace package* tests/engine and break
-# (`cannot import name ... from 'engine' (unknown location)`): the setuptools editable finder sits after
-# the path finder on sys.meta_path. A regular package anywhere on sys.path beats a namespace portion, so
-# make the repository root reachable; appended, it never shadows an installed (non-editable) prefixserve.
-_REPO_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
-if _REPO_ROOT not in sys.path:
-    sys.path.append(_REPO_ROOT)
+# The repository root is on sys.path through pyproject's pytest `pythonpath`, so test folders named
+# like our packages (tests/engine, ...) never shadow them.
 from collections.abc import Callable  # noqa: E402
 
 import pytest  # noqa: E402
