@@ -1,0 +1,412 @@
+"""paged_attention_decode: one new query token per sequence against its paged KV.
+
+    paged_attention_decode(query[B,Hq,D], k_cache, v_cache, block_tables[B,max_blocks] int32,
+                           seq_lens[B] int32, scale: float) -> out[B,Hq,D]
+
+Sequence ``b`` attends to its positions ``0 .. seq_lens[b]-1``; position ``p`` lives in block
+``block_tables[b, p // block_size]`` at offset ``p % block_size``. Block-table entries past
+``seq_lens[b]`` are never read. ``Hq % Hkv == 0`` (query head ``h`` uses KV head ``h // (Hq//Hkv)``).
+A sequence with ``seq_len == 0`` gets a zero output row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import _common
+from ._common import (
+    cdiv,
+    check_cache_pair,
+    check_float,
+    check_index,
+    check_triton_device,
+    interpret_mode,
+    lazy_jit,
+    next_pow2,
+)
+
+# triton.language, bound by _common.lazy_jit at the first Triton launch: importing this module never
+# imports triton (the kernels' `tl.constexpr` annotations are strings, see `from __future__`).
+tl: Any = None
+
+_OP = "paged_attention_decode"
+_IDX = (torch.int32, torch.int64)
+
+
+def _validate(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    nb, bs, hkv, d = check_cache_pair(_OP, k_cache, v_cache)
+    dev = k_cache.device
+    check_float(_OP, "query", query, 3, k_cache.dtype, dev)
+    b, hq, dq = query.shape
+    if dq != d:
+        raise ValueError(f"{_OP}: query head_dim {dq} != cache head_dim {d}")
+    if hq == 0 or hq % hkv != 0:
+        raise ValueError(f"{_OP}: num query heads {hq} must be a positive multiple of num kv heads {hkv}")
+    check_index(_OP, "block_tables", block_tables, 2, _IDX, dev)
+    check_index(_OP, "seq_lens", seq_lens, 1, _IDX, dev)
+    if block_tables.shape[0] != b or seq_lens.shape[0] != b:
+        raise ValueError(
+            f"{_OP}: batch mismatch: query has {b} rows, block_tables {block_tables.shape[0]}, "
+            f"seq_lens {seq_lens.shape[0]}"
+        )
+    if block_tables.numel() > 0 and block_tables.stride(-1) != 1:
+        raise ValueError(f"{_OP}: block_tables last dim must be contiguous, got strides {block_tables.stride()}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{_OP}: scale must be a finite float, got {scale!r}")
+    return b, hq, d, nb, bs, hkv
+
+
+# --------------------------------------------------------------------------- torch reference
+
+
+def paged_attention_decode_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Torch reference (and CPU production path) of :func:`paged_attention_decode_triton`.
+
+    Vectorized over the batch: one padded slot index ``[B, Kmax]`` built from the block tables,
+    K/V gathered with index_select into ``[n, Kmax, Hkv, D]`` and one SDPA call with a key-padding
+    mask per group of n sequences (n sized so the gathered K+V stay in cache on CPU; the whole
+    batch at once elsewhere). GQA without repeating KV: the G query heads of a KV group act as G
+    query positions against ``[n, Hkv, Kmax, D]`` keys. Computes in the input dtype.
+    """
+    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    if b == 0:
+        return query.new_empty((0, hq, d))
+    g = hq // hkv
+    dev = query.device
+    lens_host = seq_lens.tolist()
+    lo, hi = min(lens_host), max(lens_host)
+    if hi <= 0:
+        return query.new_zeros((b, hq, d))
+    nblk = cdiv(hi, bs)
+    if nblk > block_tables.shape[1]:
+        raise ValueError(
+            f"{_OP}: seq_len {hi} needs {nblk} blocks but block_tables has {block_tables.shape[1]} columns"
+        )
+    lens = seq_lens.to(torch.int64)
+    blocks = block_tables[:, :nblk].to(torch.int64)
+    slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).view(b, nblk * bs)[:, :hi]
+    valid = torch.arange(hi, device=dev).unsqueeze(0) < lens.unsqueeze(1)  # [B, Kmax]
+    if lo <= 0:  # empty rows: read any real slot, zero the output afterwards
+        empty = lens <= 0
+        valid[:, 0] |= empty
+        slots[:, 0] = torch.where(empty, 0, slots[:, 0])
+    # padding positions read the sequence's own first slot: real (finite) data, masked out.
+    slots = torch.where(valid, slots, slots[:, :1])
+
+    kf = k_cache.flatten(0, 1)  # [NB*BS, Hkv, D]: a view for the engine's contiguous caches
+    vf = v_cache.flatten(0, 1)
+    q = query.reshape(b, hkv, g, d)  # the G heads of a group are G "query positions"
+    scale = float(scale)
+    # Process the batch in chunks whose gathered K+V stay cache-resident (~1.5 MB): measured 2-3x
+    # faster on CPU than gathering the whole batch at once (which streams it through DRAM twice).
+    per_seq = hi * hkv * d * query.element_size() * 2
+    chunk = b if query.device.type != "cpu" else max(1, min(b, _CPU_CHUNK_BYTES // max(per_seq, 1)))
+    if chunk >= b:
+        out = _decode_chunk(q, kf, vf, slots, valid, hi, scale)
+    else:
+        out = query.new_empty((b, hkv, g, d))
+        for c0 in range(0, b, chunk):
+            c1 = min(b, c0 + chunk)
+            kmax = max(1, max(lens_host[c0:c1]))  # pad only to this chunk's longest sequence
+            out[c0:c1] = _decode_chunk(q[c0:c1], kf, vf, slots[c0:c1, :kmax], valid[c0:c1, :kmax], kmax, scale)
+    out = out.reshape(b, hq, d)
+    if lo <= 0:
+        out = out.masked_fill((lens <= 0)[:, None, None], 0.0)
+    return out
+
+
+_CPU_CHUNK_BYTES = 3 << 19  # 1.5 MiB of gathered K+V per SDPA call on CPU
+
+
+def _decode_chunk(q, kf, vf, slots, valid, kmax, scale):
+    n, hkv, _, d = q.shape
+    idx = slots.reshape(-1)
+    k = kf.index_select(0, idx).view(n, kmax, hkv, d).transpose(1, 2)  # [n, Hkv, Kmax, D]
+    v = vf.index_select(0, idx).view(n, kmax, hkv, d).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+
+
+# --------------------------------------------------------------------------- triton kernels
+
+
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    tokens_per_split,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    num_kv_heads,
+    queries_per_kv,
+    head_dim,
+    block_size,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # one program per (sequence, kv head, kv split); all G query heads of the group together
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    start = split * tokens_per_split
+    end = tl.minimum(seq_len, start + tokens_per_split)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < queries_per_kv
+    d_mask = offs_d < head_dim
+    q_heads = kvh * queries_per_kv + offs_g
+    q = tl.load(
+        q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + seq * stride_btb
+    k_head = k_cache_ptr + kvh * stride_kh
+    v_head = v_cache_ptr + kvh * stride_vh
+
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < end
+        blk = tl.load(bt_row + pos // block_size, mask=p_mask, other=0).to(tl.int64)
+        off = (pos % block_size).to(tl.int64)
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(p_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        # partial results, laid out [B, Hkv, NUM_SPLITS, BLOCK_G(, BLOCK_D)] contiguous
+        row = (seq * num_kv_heads + kvh) * NUM_SPLITS + split
+        tl.store(part_m_ptr + row * BLOCK_G + offs_g, m_i)
+        tl.store(part_l_ptr + row * BLOCK_G + offs_g, l_i)
+        tl.store(part_acc_ptr + (row * BLOCK_G + offs_g[:, None]) * BLOCK_D + offs_d[None, :], acc)
+
+def _decode_reduce_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    num_kv_heads,
+    queries_per_kv,
+    head_dim,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (seq * num_kv_heads + kvh) * NUM_SPLITS
+
+    m_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    for sp in range(NUM_SPLITS):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + (base + sp) * BLOCK_G + offs_g))
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+
+    l_tot = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for sp in range(NUM_SPLITS):
+        row = base + sp
+        w = tl.exp2(tl.load(part_m_ptr + row * BLOCK_G + offs_g) - m_ref)  # 0 for empty splits
+        l_tot += w * tl.load(part_l_ptr + row * BLOCK_G + offs_g)
+        acc += w[:, None] * tl.load(part_acc_ptr + (row * BLOCK_G + offs_g[:, None]) * BLOCK_D + offs_d[None, :])
+
+    l_safe = tl.where(l_tot > 0.0, l_tot, 1.0)
+    out = acc / l_safe[:, None]
+    q_heads = kvh * queries_per_kv + offs_g
+    mask = (offs_g < queries_per_kv)[:, None] & (offs_d < head_dim)[None, :]
+    tl.store(
+        out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+_KERNELS: dict = {}
+_REDUCE_KERNELS: dict = {}
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _default_num_splits(b: int, hkv: int, max_ctx: int, device: torch.device) -> int:
+    """Split the KV of each sequence (flash-decoding) only when the grid would underfill the GPU."""
+    if device.type != "cuda":
+        return 1
+    programs = b * hkv
+    target = 2 * _sm_count(device)
+    if programs >= target or max_ctx < 1024:
+        return 1
+    return max(1, min(cdiv(target, programs), max_ctx // 512, 32))
+
+
+def _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, block_n=None):
+    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    check_triton_device(_OP, k_cache.device)
+    out = _common.alloc_output((b, hq, d), query.dtype, query.device)
+    if b == 0:
+        return out
+    g = hq // hkv
+    block_g = max(16, next_pow2(g))
+    block_d = max(16, next_pow2(d))
+    block_n = int(block_n) if block_n else 64
+    max_ctx = block_tables.shape[1] * bs  # upper bound on seq_len without a device sync
+    if num_splits is None:
+        num_splits = _default_num_splits(b, hkv, max_ctx, query.device)
+    num_splits = max(1, int(num_splits))
+    tokens_per_split = cdiv(cdiv(max(max_ctx, 1), num_splits), block_n) * block_n
+    if num_splits > 1:
+        part_m = torch.empty((b, hkv, num_splits, block_g), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((b, hkv, num_splits, block_g, block_d), dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    # The interpreter cannot tl.dot bfloat16 (triton-lang/triton#11584): compute in fp32 there.
+    upcast = interpret_mode() and query.dtype == torch.bfloat16
+    kernel = lazy_jit(_KERNELS, _decode_kernel)
+    kernel[(b, hkv, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        float(scale) * 1.4426950408889634,
+        tokens_per_split,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        hkv,
+        g,
+        d,
+        bs,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        IEEE=query.dtype == torch.float32 or upcast,
+        UPCAST=upcast,
+    )
+    if num_splits > 1:
+        reduce = lazy_jit(_REDUCE_KERNELS, _decode_reduce_kernel)
+        reduce[(b, hkv)](
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            hkv,
+            g,
+            d,
+            BLOCK_G=block_g,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+        )
+    return out
+
+
+def paged_attention_decode_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over the paged KV cache (Triton). Returns ``[B, Hq, D]`` in query's dtype."""
+    return _launch(query, k_cache, v_cache, block_tables, seq_lens, scale)
