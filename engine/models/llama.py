@@ -29,14 +29,13 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos/sin: [T, D] -> broadcast over heads
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    # x: [T, H, D]; cos/sin: [T, D/2]. HF's x*cat(c,c) + rotate_half(x)*cat(s,s), written on the
+    # two halves: the same multiplies and adds per element (bit-identical), without rotate_half's
+    # extra full-size temporaries.
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    c, s = cos[:, None], sin[:, None]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 class Attention(nn.Module):
@@ -44,9 +43,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        # q, k and v in one GEMM (the loader concatenates the checkpoint's q_proj, k_proj, v_proj).
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.attention_bias
+        )
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
@@ -57,11 +57,11 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         attn: AttentionMetadata,
     ) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2*Hkv) * D]
+        qk = apply_rope(qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)  # [T, Hq+Hkv, D]
+        q, k = qk[:, :Hq], qk[:, Hq:]  # [T, Hq, D], [T, Hkv, D]
+        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)  # [T, Hkv, D]
 
         k_cache, v_cache = kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1]
         attn.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
@@ -84,12 +84,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        # gate and up in one GEMM (the loader concatenates the checkpoint's gate_proj and up_proj).
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -129,8 +130,7 @@ class LlamaForCausalLM(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32 once per step and shared by all layers (HF does the same math per layer).
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+        return (freqs.cos() * self.rope_scaling).to(dtype), (freqs.sin() * self.rope_scaling).to(dtype)
 
     def forward(
         self,

@@ -21,6 +21,7 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
     state: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(path)))
+    state = fuse_projections(state, cfg.num_layers)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
@@ -33,3 +34,21 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = inv_freq.to(device)
     return model.eval()
+
+
+# Our fused parameter <- the checkpoint's parameters, concatenated along the output dimension.
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}."
+        for fused, parts in FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{p}.{kind}" for p in parts]
+                if all(n in state for n in names):
+                    state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+    return state

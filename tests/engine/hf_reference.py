@@ -20,14 +20,22 @@ class Reference:
 
 
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids=()) -> list[Reference]:
-    """HF `generate()` greedy, one prompt at a time (no padding), with per-step logits."""
+    """HF `generate()` greedy, one prompt at a time (no padding), with per-step logits.
+
+    EOS is unset for the run (our `ignore_eos`): HF's `min_new_tokens` would instead *mask* EOS
+    and so pick a different token than an unconstrained greedy step."""
     refs = []
-    for ids in prompts:
-        out = model.generate(
+    saved_eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        outs = [model.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+            max_new_tokens=max_new_tokens, do_sample=False,
             output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-        )
+        ) for ids in prompts]
+    finally:
+        model.generation_config.eos_token_id = saved_eos
+    for ids, out in zip(prompts, outs):
         tokens = out.sequences[0, len(ids):].tolist()
         gaps = []
         for step_logits in out.logits:
