@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from engine.inflight_prefixes import InflightPrefixes
 from engine.sequence import Sequence, SequenceStatus
 from prefix_cache import BlockManager, PrefixHit
 
@@ -52,6 +53,9 @@ class SchedulerLimits:
     policy: str  # "fcfs" | "priority"
 
 
+_DEFERRED = object()
+
+
 class Scheduler:
     """Owns the waiting and running queues; the BlockManager owns every block id.
 
@@ -65,6 +69,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
+        self.inflight = InflightPrefixes(blocks)
 
     # -- queues -----------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[int, ...]:
@@ -82,6 +87,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if self.blocks.has_seq(seq.seq_id):
             self.blocks.free(seq.seq_id)
+        self.inflight.forget(seq)
         seq.status = SequenceStatus.FINISHED
 
     def has_unfinished(self) -> bool:
@@ -110,13 +116,17 @@ class Scheduler:
 
         # 2. Admit waiting sequences while there is room — but not in a step that had to preempt,
         #    or the newcomer would just take the blocks back and thrash.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.limits.max_num_seqs:
-            seq = self.waiting[0]
+        self.inflight.begin_step(self.running)
+        for seq in list(self.waiting):
+            if budget == 0 or preempted or len(self.running) >= self.limits.max_num_seqs:
+                break
             admitted = self._admit(seq, budget)
             if admitted is None:
                 break
+            if admitted is _DEFERRED:
+                continue
             chunk, new_copies = admitted
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             bisect.insort(self.running, seq, key=self._key)
             seq.status = SequenceStatus.RUNNING
             chunks.append(chunk)
@@ -152,13 +162,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def _admit(self, seq: Sequence, budget: int) -> tuple[ScheduledChunk, tuple[tuple[int, int], ...]] | None:
+    def _admit(self, seq: Sequence, budget: int):
+        """(chunk, copies) if admitted; None if the pool is full; _DEFERRED if an in-flight
+        prefill is computing this sequence's next prefix block (admit it as a hit later)."""
         first_admission = seq.num_preemptions == 0
         if seq.params.prompt_logprobs is not None and first_admission:
             # Prompt logprobs need the logits of every prompt position: no prefix reuse.
             hit = PrefixHit.empty(self.blocks.block_size)
         else:
             hit = self.blocks.match_prefix(seq.token_ids, cache_salt=seq.cache_salt)
+            if self.inflight.should_defer(seq, hit):
+                return _DEFERRED
         num_new = min(seq.num_tokens - hit.num_cached_tokens, budget)
         alloc = self.blocks.allocate(
             seq.seq_id, hit.num_cached_tokens + num_new, hit=hit,
@@ -167,6 +181,7 @@ class Scheduler:
         if alloc is None:
             return None
         seq.num_computed_tokens = hit.num_cached_tokens
+        self.inflight.admitted(seq, hit)
         if first_admission:
             seq.num_cached_tokens = hit.num_cached_tokens
         return self._chunk(seq, num_new), alloc.copies

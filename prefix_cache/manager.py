@@ -37,7 +37,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool, NoFreeBlocksError
-from .hashing import block_key_encoded, encode_extra_keys
+from .hashing import BlockKey, block_key_encoded, encode_extra_keys
 
 
 class StaleHitError(ValueError):
@@ -252,6 +252,19 @@ class BlockManager:
                 if n > best_len or (n == best_len and best is not None and child < best):
                     best, best_len = child, n
         return PrefixHit(tuple(matched), best, best_len, bs)
+
+    def block_keys(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> list[BlockKey]:
+        """Keys of the FULL blocks of ``token_ids`` as this manager would cache them (same
+        namespace as match_prefix/commit). Empty when caching is disabled."""
+        if not self.enable_caching:
+            return []
+        ns, bs = self._ns(cache_salt), self.block_size
+        keys: list[BlockKey] = []
+        parent_key: bytes | None = None
+        for i in range(len(token_ids) // bs):
+            parent_key = block_key_encoded(parent_key, token_ids[i * bs : (i + 1) * bs], ns)
+            keys.append(parent_key)
+        return keys
 
     # ---- allocation --------------------------------------------------------------------------
     def num_blocks_needed(

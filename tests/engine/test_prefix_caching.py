@@ -135,3 +135,16 @@ def test_smollm2_greedy_same_with_cache_on_and_off(smollm2_path, hf_model_loader
         assert_greedy_match(a.outputs[0].token_ids, r, f"cache on, prompt {i}")
         assert_greedy_match(b.outputs[0].token_ids, r, f"cache off, prompt {i}")
     assert tok_llm.kv_cache_usage()["num_in_use"] == 0
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(tiny, hf_model_loader):
+    llm = _llm(tiny, max_num_batched_tokens=256, max_num_seqs=8)
+    system = _ids(64, 30)
+    prompts = [system + _ids(8, 31 + i) for i in range(8)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    # The first computes the 64-token prefix; the other seven wait one step and hit all of it.
+    assert sorted(o.num_cached_tokens for o in outs) == [0] + [64] * 7
+    refs = hf_greedy(hf_model_loader(tiny), prompts, 8)
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert_greedy_match(o.outputs[0].token_ids, r, f"prompt {i}")
+    llm.engine.check_integrity()

@@ -439,3 +439,20 @@ def test_prefix_hit_validation():
     with pytest.raises(ValueError):
         PrefixHit((), 1, 4, 4)
     assert PrefixHit((1, 2), 3, 2, 4).num_cached_tokens == 10
+
+
+def test_block_keys_match_what_commit_caches():
+    from prefix_cache import BlockManager
+
+    mgr = BlockManager(8, 4)
+    tokens = list(range(10))
+    keys = mgr.block_keys(tokens, cache_salt="t")
+    assert len(keys) == 2
+    assert mgr.allocate("s", 10, hit=mgr.match_prefix(tokens, cache_salt="t"), cache_salt="t", token_ids=tokens)
+    mgr.commit("s", tokens, 10)
+    hit = mgr.match_prefix(tokens + [99], cache_salt="t")
+    assert len(hit.block_ids) == 2
+    assert mgr.block_keys(tokens) != keys  # another tenant, other keys
+    assert BlockManager(8, 4, enable_caching=False).block_keys(tokens) == []
+    mgr.free("s")
+    mgr.check_integrity()
