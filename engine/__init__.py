@@ -12,12 +12,12 @@ from engine.errors import (
     InvalidRequestError,
     PrefixServeError,
 )
-from engine.llm import LLM
+from engine.llm import LLM, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = [
-    "AsyncEngine", "CompletionOutput", "ContextLengthExceededError", "Engine", "EngineConfig", "EngineDeadError",
+    "AsyncEngine", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "ContextLengthExceededError", "Engine", "EngineConfig", "EngineDeadError",
     "InvalidConfigError", "InvalidRequestError", "LLM", "Logprob", "PrefixServeError", "RequestOutput",
     "SamplingParams",
 ]

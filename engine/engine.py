@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.beam_search import BeamSearch
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer, stream_safe_text
 from engine.errors import ContextLengthExceededError, InvalidConfigError, InvalidRequestError
@@ -21,7 +22,7 @@ from engine.models.resolve import model_fingerprint, resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from kernels import get_attention_ops
 from prefix_cache import BlockManager
 
@@ -35,16 +36,22 @@ class RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # samples in index order (n>1 forks included); the root beam for beam search
     arrival_time: float
     first_token_time: float | None = None
     last_token_time: float | None = None
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    beam: BeamSearch | None = None
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.is_finished for s in self.seqs)
+
+    def live_seqs(self) -> list[Sequence]:
+        return self.beam.beams() if self.beam is not None else [s for s in self.seqs if not s.is_finished]
 
 
 @dataclass
@@ -81,6 +88,7 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
         self._arrivals = itertools.count()
+        self._beam_ids = itertools.count(1)
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         logger.info(
             "model %s (%s, %d layers, %d/%d heads) dtype=%s device=%s attention=%s; KV cache: %d blocks x %d tokens "
@@ -108,7 +116,10 @@ class Engine:
         params = self._effective_params(params, len(token_ids))
         state = RequestState(request_id, text, token_ids, [], arrival_time or time.monotonic())
         order = next(self._arrivals)
-        for i in range(params.n):
+        # n>1 samples and beams are all one prompt: only the first sequence computes it; the
+        # others fork from it (sharing its blocks) when its first token is sampled.
+        num_seqs = 1 if params.use_beam_search else params.n
+        for i in range(num_seqs):
             state.seqs.append(Sequence(
                 seq_id=f"{request_id}#{i}", request_id=request_id, index=i, params=params.for_sample(i),
                 token_ids=list(token_ids), num_prompt_tokens=len(token_ids), arrival_order=order,
@@ -116,9 +127,16 @@ class Engine:
                 logprobs=[] if params.logprobs is not None else None,
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             ))
+        root = state.seqs[0]
+        root.pending_forks = state.seqs[1:]
+        root.group_size = params.n
+        if params.use_beam_search:
+            state.beam = BeamSearch(
+                root, width=params.n, max_tokens=params.max_tokens, length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping, stop_token_ids=self._stop_token_ids(params),
+            )
         self.requests[request_id] = state
-        for seq in state.seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(root)
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
@@ -132,10 +150,11 @@ class Engine:
         state = self.requests.pop(request_id, None)
         if state is None:
             return False
-        for seq in state.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self._finish(seq)
+        for seq in state.live_seqs():
+            seq.finish_reason = "abort"
+            self._finish(seq)
+        if state.beam is not None:
+            state.beam.done = True
         return True
 
     def has_unfinished(self) -> bool:
@@ -195,8 +214,6 @@ class Engine:
         return text, ids
 
     def _effective_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        if params.use_beam_search:
-            raise InvalidRequestError("beam search is not supported yet.", param="use_beam_search")
         room = self.max_model_len - prompt_len
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens < 1 or prompt_len + max_tokens > self.max_model_len:
@@ -233,15 +250,90 @@ class Engine:
             if seq.seq_id in result.prompt_logprobs:
                 self._append_prompt_logprobs(seq, result.prompt_logprobs[seq.seq_id])
         samples = result.samples
-        for row, chunk in enumerate(result.sampled_chunks):
-            seq = chunk.seq
-            self._append_token(seq, row, samples)
+        self._fork_samples(result.sampled_seqs)
+        for row, seq in enumerate(result.sampled_seqs):
             state = self.requests[seq.request_id]
+            if state.beam is not None:
+                state.beam.record(seq, samples.top_logprobs[row])
+            else:
+                self._append_token(seq, row, samples)
             state.first_token_time = state.first_token_time or now
             state.last_token_time = now
             state.token_times.append(now)
             touched[state.request_id] = state
-        return [self._request_output(state) for state in touched.values()]
+        outputs = []
+        for state in touched.values():
+            if state.beam is not None:
+                if not state.beam.ready():
+                    continue
+                self._advance_beams(state)
+                if not state.beam.done:
+                    continue
+            outputs.append(self._request_output(state))
+        return outputs
+
+    # -- forks ------------------------------------------------------------------------------
+    def _fork_samples(self, sampled: tuple[Sequence, ...]) -> None:
+        """n>1: the prompt is computed; every other sample takes the root's block table (shared,
+        copy-on-write) before each appends its own first token."""
+        for root in sampled:
+            for child in root.pending_forks:
+                child.num_computed_tokens = root.num_computed_tokens
+                child.num_cached_tokens = root.num_cached_tokens
+                self._fork_seq(root, child)
+            root.pending_forks = []
+
+    def _fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if self.blocks.has_seq(parent.seq_id):
+            self.blocks.fork(parent.seq_id, child.seq_id)
+            self.scheduler.adopt(child)
+        else:  # the parent was preempted after its step: the child recomputes (mostly cache hits)
+            child.num_computed_tokens = 0
+            self.scheduler.add(child)
+
+    def _advance_beams(self, state: RequestState) -> None:
+        """Apply one beam-search decision: reuse each chosen parent once, fork it for further
+        choices, free beams nobody chose."""
+        group = state.beam
+        before = group.beams()
+        chosen = group.step()
+        if group.done:
+            for seq in before:
+                self._finish(seq)
+            return
+        reused: set[str] = set()
+        beams: list[tuple[Sequence, int]] = []
+        for c in chosen:
+            if c.parent.seq_id in reused:
+                child = self._new_beam(c.parent)
+                self._fork_seq(c.parent, child)  # copies the parent's tokens before it appends
+                beams.append((child, c.token_id))
+            else:
+                reused.add(c.parent.seq_id)
+                beams.append((c.parent, c.token_id))
+        for seq in before:
+            if seq.seq_id not in reused:
+                self._finish(seq)
+        for seq, token in beams:
+            seq.token_ids.append(token)
+            self.counters.generation_tokens += 1
+        group.running = [(seq, c.cumulative_logprob) for (seq, _), c in zip(beams, chosen)]
+
+    def _new_beam(self, parent: Sequence) -> Sequence:
+        return Sequence(
+            seq_id=f"{parent.request_id}#b{next(self._beam_ids)}", request_id=parent.request_id, index=0,
+            params=parent.params, token_ids=[], num_prompt_tokens=parent.num_prompt_tokens,
+            arrival_order=parent.arrival_order, priority=parent.priority, cache_salt=parent.cache_salt,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+
+    def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            ids.update(self.model_config.eos_token_ids)
+        return frozenset(ids)
 
     def _append_token(self, seq: Sequence, row: int, samples) -> None:
         token = samples.token_ids[row]
@@ -278,15 +370,11 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         self.runner.release(seq.seq_id)
-        state = self.requests.get(seq.request_id)
-        if state is not None and state.finished:
-            reason = seq.finish_reason or "stop"
-            self.counters.requests_finished[reason] = self.counters.requests_finished.get(reason, 0) + 1
 
     def _request_output(self, state: RequestState) -> RequestOutput:
         finished = state.finished
-        outputs = []
-        for seq in state.seqs:
+        outputs = self._beam_outputs(state) if state.beam is not None else []
+        for seq in state.seqs if state.beam is None else ():
             text = seq.text if seq.is_finished else stream_safe_text(seq.text, seq.params.stop_strings)
             outputs.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=seq.output_token_ids,
@@ -297,6 +385,8 @@ class Engine:
         first = state.seqs[0]
         if finished:
             self.requests.pop(state.request_id, None)
+            reason = (outputs[0].finish_reason if outputs else None) or "stop"
+            self.counters.requests_finished[reason] = self.counters.requests_finished.get(reason, 0) + 1
         metrics = {"arrival_time": state.arrival_time}
         for name in ("first_scheduled_time", "first_token_time", "last_token_time"):
             if getattr(state, name) is not None:
@@ -307,6 +397,16 @@ class Engine:
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             metrics=metrics,
         )
+
+    def _beam_outputs(self, state: RequestState) -> list[CompletionOutput]:
+        outputs = []
+        for i, hyp in enumerate(state.beam.finished):
+            text = self.tokenizer.decode(list(hyp.token_ids), skip_special_tokens=True)
+            outputs.append(CompletionOutput(
+                index=i, text=text, token_ids=list(hyp.token_ids), cumulative_logprob=hyp.cumulative_logprob,
+                finish_reason=hyp.finish_reason,
+            ))
+        return outputs
 
     # -- sizing ---------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:

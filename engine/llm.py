@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine, PromptInput
@@ -72,6 +73,24 @@ class LLM:
         # The template already holds any BOS token: do not add special tokens twice.
         return tokenizer(text, add_special_tokens=False).input_ids
 
+    def beam_search(
+        self, prompts: PromptInput | Seq[PromptInput], params: "BeamSearchParams", *, use_tqdm: bool = False
+    ) -> list["BeamSearchOutput"]:
+        """vLLM's offline beam-search API; the search itself runs inside the engine as block forks."""
+        sampling = SamplingParams(
+            n=params.beam_width, use_beam_search=True, temperature=0.0, max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+        )
+        outs = self.generate(prompts, sampling, use_tqdm=use_tqdm)
+        return [
+            BeamSearchOutput([
+                BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob, c.finish_reason)
+                for c in o.outputs
+            ])
+            for o in outs
+        ]
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -110,3 +129,25 @@ def _per_prompt(value, n: int, name: str) -> list:
             raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts.", param=name)
         return list(value)
     return [value] * n
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+
+@dataclass(frozen=True)
+class BeamSearchSequence:
+    tokens: list[int]  # prompt + generated tokens
+    text: str  # the generated text
+    cum_logprob: float
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

@@ -14,6 +14,7 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SampleResult, SampleRow, Sampler
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.sequence import Sequence
 from kernels import AttentionOps
 
 
@@ -29,7 +30,7 @@ class PromptLogprobs:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    sampled_chunks: tuple[ScheduledChunk, ...]  # aligned with `samples` rows
+    sampled_seqs: tuple[Sequence, ...]  # aligned with `samples` rows (pending forks included)
     samples: SampleResult
     prompt_logprobs: dict[str, PromptLogprobs]  # seq_id -> this step's prompt logprobs
 
@@ -69,14 +70,20 @@ class ModelRunner:
 
         # Only the last position of a chunk that reaches the end of its tokens needs logits.
         ends = torch.tensor([c.num_new_tokens for c in chunks]).cumsum(0) - 1
-        sampled = [i for i, c in enumerate(chunks) if c.needs_sample]
-        sampled_chunks = tuple(chunks[i] for i in sampled)
-        logits = self.model.compute_logits(hidden[ends[sampled].to(self.device)]).cpu()  # [S, V]
-        rows = [self._sample_row(c) for c in sampled_chunks]
-        want_logprobs = any(c.seq.params.logprobs is not None for c in sampled_chunks)
-        samples = self.sampler(logits, rows, want_logprobs)
+        # One row per sequence that gets a token; the samples forking from a sequence (n>1) are
+        # extra rows of the same logits, each drawn with its own params and generator.
+        row_positions: list[int] = []
+        seqs: list[Sequence] = []
+        for i, c in enumerate(chunks):
+            if c.needs_sample:
+                for seq in [c.seq, *c.seq.pending_forks]:
+                    row_positions.append(int(ends[i]))
+                    seqs.append(seq)
+        logits = self.model.compute_logits(hidden[torch.tensor(row_positions, dtype=torch.long, device=self.device)])
+        rows = [self._sample_row(seq) for seq in seqs]
+        samples = self.sampler(logits.cpu(), rows)  # logits: [S, V]
         prompt_lp = self._prompt_logprobs(chunks, hidden, ends)
-        return RunnerOutput(sampled_chunks, samples, prompt_lp)
+        return RunnerOutput(tuple(seqs), samples, prompt_lp)
 
     # -- tensors ------------------------------------------------------------------------
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -119,8 +126,8 @@ class ModelRunner:
         return torch.tensor(table, dtype=torch.int32, device=self.device).reshape(len(chunks), width)
 
     # -- sampling -----------------------------------------------------------------------
-    def _sample_row(self, chunk: ScheduledChunk) -> SampleRow:
-        seq, p = chunk.seq, chunk.seq.params
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        p = seq.params
         generator = None
         if p.seed is not None:
             generator = self._generators.get(seq.seq_id)
@@ -129,7 +136,9 @@ class ModelRunner:
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else self.cfg.eos_token_ids)
-        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, generator, banned)
+        # Beam search ranks each beam's best 2*width continuations by raw logprob.
+        num_top = 2 * p.n if p.use_beam_search else p.logprobs
+        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, generator, banned, num_top)
 
     def _prompt_logprobs(
         self, chunks: list[ScheduledChunk], hidden: torch.Tensor, ends: torch.Tensor

@@ -21,6 +21,7 @@ class SampleRow:
     num_prompt_tokens: int
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...]  # EOS / stop tokens while below min_tokens
+    num_top_logprobs: int | None = None  # None: no logprobs wanted for this row
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,9 @@ class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for rows without their own seed
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], want_logprobs: bool) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         # logits: [N, V] float32
+        want_logprobs = any(r.num_top_logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
         logits = self._apply_processors(logits, rows)
         tokens = self._choose(logits, rows)  # [N]
@@ -122,11 +124,11 @@ class Sampler:
             return SampleResult(token_list, [None] * n, [None] * n, [None] * n)
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [N]
         ranks = (raw > chosen.unsqueeze(1)).sum(-1) + 1  # [N]
-        k_max = max((r.params.logprobs or 0) for r in rows)
+        k_max = max((r.num_top_logprobs or 0) for r in rows)
         top_vals, top_ids = raw.topk(k_max, dim=-1) if k_max else (None, None)
         tops: list[list[tuple[int, float]] | None] = []
         for i, row in enumerate(rows):
-            k = row.params.logprobs
+            k = row.num_top_logprobs
             if k is None:
                 tops.append(None)
             else:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.inflight_prefixes import InflightPrefixes
 from engine.sequence import Sequence, SequenceStatus
-from prefix_cache import BlockManager, PrefixHit
+from prefix_cache import BlockManager, NoFreeBlocksError, PrefixHit
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._key)
 
+    def adopt(self, seq: Sequence) -> None:
+        """A fork that already holds blocks (shared with its parent) joins the running set."""
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=self._key)
+
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence from whichever queue holds it and release its blocks (finish or abort)."""
         if seq in self.running:
@@ -108,8 +113,12 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._grow_or_preempt(seq, num_new, scheduled, preempted):
+            if num_new == 0:  # a beam waiting for its siblings' candidates
                 continue
+            grown = self._grow_or_preempt(seq, num_new, scheduled, preempted)
+            if grown is None:
+                continue
+            copies.extend(grown)
             chunks.append(self._chunk(seq, num_new))
             scheduled.add(seq.seq_id)
             budget -= num_new
@@ -118,7 +127,7 @@ class Scheduler:
         #    or the newcomer would just take the blocks back and thrash.
         self.inflight.begin_step(self.running)
         for seq in list(self.waiting):
-            if budget == 0 or preempted or len(self.running) >= self.limits.max_num_seqs:
+            if budget == 0 or preempted or len(self.running) + seq.group_size > self.limits.max_num_seqs:
                 break
             admitted = self._admit(seq, budget)
             if admitted is None:
@@ -140,17 +149,29 @@ class Scheduler:
 
     def _grow_or_preempt(
         self, seq: Sequence, num_new: int, scheduled: set[str], preempted: list[Sequence]
-    ) -> bool:
-        """Make seq's blocks cover num_computed + num_new tokens, preempting the least important
-        unscheduled running sequences (seq itself last) until they do. False if seq was preempted."""
-        while self.blocks.allocate(seq.seq_id, seq.num_computed_tokens + num_new) is None:
+    ) -> list[tuple[int, int]] | None:
+        """Make seq's blocks cover num_computed + num_new tokens — copying a block it shares with
+        forks before writing into it — preempting the least important unscheduled running
+        sequences (seq itself last) until that fits. Returns the block copies to run first, or
+        None if seq itself was preempted."""
+        copies: list[tuple[int, int]] = []
+        position = seq.num_computed_tokens
+        while True:
+            try:
+                if position % self.blocks.block_size:  # the first write lands in an existing block
+                    copy = self.blocks.prepare_write(seq.seq_id, position)
+                    if copy is not None:
+                        copies.append(copy)
+                if self.blocks.allocate(seq.seq_id, position + num_new) is not None:
+                    return copies
+            except NoFreeBlocksError:
+                pass
             victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
-                return False
-        return True
+                return None  # its copy (if any) went with its blocks
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute mode: release the blocks (full ones stay cached, so resuming is mostly a

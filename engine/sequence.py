@@ -42,6 +42,10 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     text: str = ""  # detokenized output so far (stop strings removed)
+    # n>1 sampling: the samples that fork from this sequence once its prompt is computed. They
+    # are sampled from the same logits as this one, then share its blocks (copy-on-write).
+    pending_forks: list["Sequence"] = field(default_factory=list)
+    group_size: int = 1  # running seats this sequence will take (n samples or beam width)
     timestamps: dict[str, float] = field(default_factory=dict)
 
     @property
