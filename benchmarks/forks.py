@@ -1,0 +1,111 @@
+"""Forks: n=8 sampling and beam search (width 4) of one prompt.
+
+(a) n=8 samples of one prompt: prefixserve (one prefill, 8 copy-on-write forks) vs 8 independent
+    requests with the prefix cache off vs HF transformers generate(num_return_sequences=8).
+(b) beam search width 4: prefixserve vs HF generate(num_beams=4).
+Reports time, output tokens/s and peak KV blocks, with ratios. One summary line; JSON + PNG under
+benchmarks/results/.
+
+    python benchmarks/forks.py [--prompt-len 1024 --output-len 32]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks._common import bar_plot, write_json  # noqa: E402
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - t0, value
+
+
+def ours(path: str, prompt: list[int], params, caching: bool, copies: int = 1) -> dict:
+    from engine import LLM
+
+    llm = LLM(model=path, enable_prefix_caching=caching, max_num_seqs=16, max_num_batched_tokens=2048)
+    llm.generate({"prompt_token_ids": prompt[:8]}, type(params)(max_tokens=2), use_tqdm=False)  # warm-up
+    seconds, outs = timed(lambda: llm.generate([{"prompt_token_ids": prompt}] * copies, params, use_tqdm=False))
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
+            "peak_kv_blocks": llm.kv_cache_usage()["peak_in_use"]}
+
+
+def hf(path: str, prompt: list[int], **generate_kwargs) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(ids[:, :8], max_new_tokens=2, pad_token_id=0)  # warm-up
+        seconds, out = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
+                                                    **generate_kwargs))
+    tokens = (out.shape[1] - len(prompt)) * out.shape[0]
+    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--beam-prompt-len", type=int, default=512)
+    ap.add_argument("--name", default="forks")
+    args = ap.parse_args()
+
+    from engine import SamplingParams
+    from engine.models.resolve import resolve_model
+
+    path = str(resolve_model(args.model))
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+    beam_prompt = prompt[: args.beam_prompt_len]
+    o = args.output_len
+    sample = SamplingParams(n=8, temperature=1.0, top_p=0.95, seed=0, max_tokens=o, ignore_eos=True)
+    single = SamplingParams(temperature=1.0, top_p=0.95, seed=0, max_tokens=o, ignore_eos=True)
+    beam = SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=o, ignore_eos=True)
+
+    res = {"n8": {}, "beam4": {}}
+    res["n8"]["prefixserve_n8"] = ours(path, prompt, sample, caching=False)
+    res["n8"]["independent_8_no_cache"] = ours(path, prompt, single, caching=False, copies=8)
+    res["n8"]["hf_num_return_sequences_8"] = hf(path, prompt, do_sample=True, top_p=0.95, num_return_sequences=8,
+                                                max_new_tokens=o, min_new_tokens=o)
+    res["beam4"]["prefixserve"] = ours(path, beam_prompt, beam, caching=False)
+    res["beam4"]["hf_num_beams_4"] = hf(path, beam_prompt, num_beams=4, num_return_sequences=4, do_sample=False,
+                                        max_new_tokens=o, min_new_tokens=o)
+    for group in res.values():
+        for name, r in group.items():
+            print(f"  {name}: {r}", flush=True)
+    n8 = res["n8"]
+    ratios = {
+        "n8_vs_independent_no_cache": n8["independent_8_no_cache"]["seconds"] / n8["prefixserve_n8"]["seconds"],
+        "n8_vs_hf": n8["hf_num_return_sequences_8"]["seconds"] / n8["prefixserve_n8"]["seconds"],
+        "beam4_vs_hf": res["beam4"]["hf_num_beams_4"]["seconds"] / res["beam4"]["prefixserve"]["seconds"],
+        "n8_peak_blocks_vs_independent": n8["prefixserve_n8"]["peak_kv_blocks"]
+        / n8["independent_8_no_cache"]["peak_kv_blocks"],
+    }
+    write_json(args.name, {"workload": {"prompt_len": args.prompt_len, "beam_prompt_len": args.beam_prompt_len,
+                                        "output_len": o, "model": args.model,
+                                        "targets": {"beam4_vs_hf": 3.0, "n8_vs_independent_no_cache": 2.0}},
+                           "results": res, "speedups": ratios})
+    bar_plot(args.name, "Forks: wall time (s)", ["n=8 sampling", "beam width 4"],
+             {"prefixserve": [n8["prefixserve_n8"]["seconds"], res["beam4"]["prefixserve"]["seconds"]],
+              "8 independent, no cache": [n8["independent_8_no_cache"]["seconds"], 0.0],
+              "HF generate": [n8["hf_num_return_sequences_8"]["seconds"], res["beam4"]["hf_num_beams_4"]["seconds"]]},
+             "seconds")
+    print("forks: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + " (targets: beam4 >= 3x HF, "
+          "n8 >= 2x independent)")
+
+
+if __name__ == "__main__":
+    main()
