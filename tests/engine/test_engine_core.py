@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine_testlib import run_checked
+
 from engine import (
-    ContextLengthExceededError, Engine, EngineConfig, InvalidConfigError, InvalidRequestError, LLM, SamplingParams,
+    ContextLengthExceededError, EngineConfig, InvalidConfigError, InvalidRequestError, LLM, SamplingParams,
 )
 
 
@@ -16,17 +18,6 @@ def tiny_path(tiny_model_factory):
 @pytest.fixture(scope="module")
 def llm(tiny_path):
     return LLM(model=str(tiny_path), block_size=8, num_kv_blocks=128, max_num_batched_tokens=48, max_num_seqs=4)
-
-
-def run_checked(engine: Engine) -> dict:
-    """Step to completion, checking block integrity after every step."""
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        engine.check_integrity()
-    return finals
 
 
 def test_integrity_every_step_and_all_blocks_free(llm):

@@ -7,7 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 
-from hf_reference import assert_greedy_match, hf_greedy
+from engine_testlib import assert_greedy_match, hf_greedy
 
 
 def _mixed_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -7,7 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 
-from hf_reference import assert_greedy_match, hf_greedy
+from engine_testlib import assert_greedy_match, hf_greedy, run_checked
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -82,12 +82,7 @@ def test_blocks_shareable_while_the_first_request_still_runs(tiny):
     engine.step()
     engine.step()  # a has computed 64 tokens = 4 full blocks, still prefilling
     engine.add_request("b", {"prompt_token_ids": system[:70] + _ids(5, 9)}, GREEDY)
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        engine.check_integrity()
+    finals = run_checked(engine)
     assert finals["b"].num_cached_tokens >= 64
 
 

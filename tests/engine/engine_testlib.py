@@ -1,4 +1,4 @@
-"""The HF reference and the near-tie comparison rule used by engine tests."""
+"""Shared by engine tests: the HF reference, the near-tie comparison rule, a checked step loop."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,3 +56,14 @@ def assert_greedy_match(ours: list[int], ref: Reference, label: str = "") -> Non
     assert len(ours) == len(ref.tokens), f"{label}: {len(ours)} tokens vs HF {len(ref.tokens)}"
 
 
+
+
+def run_checked(engine) -> dict:
+    """Step to completion, checking block integrity after every step; final outputs by request id."""
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        engine.check_integrity()
+    return finals
