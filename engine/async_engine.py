@@ -3,6 +3,10 @@
 The engine loop runs beside the event loop (torch releases the GIL inside its kernels), so a
 server stays responsive during heavy generation. Requests and aborts cross into the loop through
 a queue; outputs come back through per-request asyncio queues.
+
+Robustness: a request the engine refuses fails alone (its generate() raises the engine's error);
+if `Engine.step()` raises, the requests that were running in that step are aborted (their blocks
+freed) and fail with EngineStepError, and the loop keeps serving everyone else.
 """
 from __future__ import annotations
 
@@ -11,16 +15,23 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine import Engine, PromptInput
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, InvalidRequestError, PrefixServeError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("prefixserve")
+
+# Put in a request's sink once the engine accepted it (add_request did not raise).
+_ACCEPTED = object()
+
+
+class EngineStepError(PrefixServeError, RuntimeError):
+    """Engine.step() failed while this request was running; the request was aborted."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +56,13 @@ class _Sink:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def put(self, item: RequestOutput | BaseException | None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException | object | None) -> bool:
+        """False when the consumer's event loop is gone (its request should then be aborted)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop was closed
+            return False
+        return True
 
 
 class AsyncEngine:
@@ -59,6 +75,8 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._ids = itertools.count()
         self._wakeup = threading.Event()
+        self._stats: dict | None = None
+        self.num_step_failures = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -67,6 +85,7 @@ class AsyncEngine:
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            self._stopping.clear()
             self._thread = threading.Thread(target=self._loop, name="prefixserve-engine", daemon=True)
             self._thread.start()
 
@@ -81,11 +100,23 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
     def num_in_flight(self) -> int:
         return len(self._sinks)
 
+    def stats(self) -> dict:
+        """Engine.stats() as of the end of the latest step (a snapshot the loop refreshes; safe to read
+        from any thread)."""
+        snapshot = self._stats
+        if snapshot is None:
+            snapshot = self._stats = self.engine.stats()
+        return snapshot
+
     # -- requests -------------------------------------------------------------------------
-    async def generate(
+    def generate(
         self,
         prompt: PromptInput,
         params: SamplingParams | None = None,
@@ -93,13 +124,42 @@ class AsyncEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield cumulative RequestOutputs until the request finishes. Leaving the iteration early
-        (or being cancelled) aborts the request and frees its blocks."""
+        (closing the iterator, or being cancelled) aborts the request and frees its blocks. Errors of
+        admission (InvalidRequestError, ContextLengthExceededError) are raised by the first step of
+        the iteration."""
+        return self._outputs(prompt, params, request_id, priority, cache_salt, announce=False)
+
+    async def submit(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Add a request and wait until the engine accepted it: raises its admission error here, before
+        any output, then returns the iterator of its outputs (same contract as generate())."""
+        outputs = self._outputs(prompt, params, request_id, priority, cache_salt, announce=True)
+        try:
+            await outputs.__anext__()  # the acceptance marker
+        except BaseException:
+            await outputs.aclose()
+            raise
+        return outputs
+
+    async def _outputs(
+        self, prompt: PromptInput, params: SamplingParams | None, request_id: str | None, priority: int,
+        cache_salt: str | None, *, announce: bool,
+    ) -> AsyncGenerator:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self._dead!r}")
         self.start()
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._sinks:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use.", param="request_id")
         sink = _Sink(asyncio.get_running_loop())
         self._sinks[request_id] = sink
         self._send(_Add(request_id, prompt, params or SamplingParams(), priority, cache_salt, sink))
@@ -107,6 +167,10 @@ class AsyncEngine:
         try:
             while True:
                 item = await sink.queue.get()
+                if item is _ACCEPTED:
+                    if announce:
+                        yield None
+                    continue
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -118,7 +182,8 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._sinks.pop(request_id, None)
+            if self._sinks.get(request_id) is sink:
+                del self._sinks[request_id]
             if not finished:
                 self._send(_Abort(request_id))
 
@@ -133,25 +198,32 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._drain_inbox()
+                if self._drain_inbox():
+                    self._refresh_stats()
                 if not self.engine.has_unfinished():
                     self._wakeup.wait(timeout=0.1)
                     self._wakeup.clear()
                     continue
                 self._step()
-        except BaseException as exc:  # the engine itself broke: fail every request, refuse new ones
+                self._refresh_stats()
+        except BaseException as exc:  # the loop's own machinery broke: fail every request, refuse new ones
             logger.exception("engine loop died")
             self._dead = exc
             for sink in list(self._sinks.values()):
                 sink.put(EngineDeadError(f"the engine loop stopped: {exc!r}"))
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Apply queued adds and aborts; True when there were any."""
+        any_message = False
         while True:
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return any_message
+            any_message = True
             if isinstance(message, _Add):
+                if self._sinks.get(message.request_id) is not message.sink:
+                    continue  # the caller already left (its abort follows in the inbox)
                 try:
                     self.engine.add_request(
                         message.request_id, message.prompt, message.params,
@@ -159,6 +231,9 @@ class AsyncEngine:
                     )
                 except Exception as exc:  # bad request: only this request fails
                     message.sink.put(exc)
+                    continue
+                if not message.sink.put(_ACCEPTED):
+                    self.engine.abort(message.request_id)
             else:
                 if self.engine.abort(message.request_id):
                     sink = self._sinks.get(message.request_id)
@@ -166,7 +241,36 @@ class AsyncEngine:
                         sink.put(None)
 
     def _step(self) -> None:
-        for output in self.engine.step():
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._fail_running(exc)
+            return
+        for output in outputs:
             sink = self._sinks.get(output.request_id)
+            if sink is not None and not sink.put(output) and not output.finished:
+                self.engine.abort(output.request_id)  # nobody can receive it any more
+
+    def _fail_running(self, exc: Exception) -> None:
+        """step() raised: abort the requests it was running (freeing their blocks) and fail them with
+        the error; waiting requests are untouched and the loop goes on."""
+        self.num_step_failures += 1
+        try:
+            victims = self.engine.abort_running()
+        except Exception:  # keep the loop alive; fail every in-flight request instead
+            logger.exception("aborting the running requests after a failed step also failed")
+            victims = list(self._sinks)
+        logger.error("engine step failed (%r); aborted %d request(s) it was running", exc, len(victims),
+                     exc_info=exc)
+        for request_id in victims:  # notify last: by then every block of theirs is free
+            sink = self._sinks.get(request_id)
             if sink is not None:
-                sink.put(output)
+                error = EngineStepError(f"the engine failed while running this request: {exc!r}")
+                error.__cause__ = exc
+                sink.put(error)
+
+    def _refresh_stats(self) -> None:
+        try:
+            self._stats = self.engine.stats()
+        except Exception:  # metrics must never take the loop down
+            logger.debug("engine.stats() failed", exc_info=True)

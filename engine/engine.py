@@ -142,8 +142,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        result = self.runner.execute(batch)
-        self.blocks.release_copy_sources()
+        try:
+            result = self.runner.execute(batch)
+        finally:  # the copy sources are protected only until this step's model run, failed or not
+            self.blocks.release_copy_sources()
         return self._postprocess(batch, result)
 
     def abort(self, request_id: str) -> bool:
@@ -156,6 +158,15 @@ class Engine:
         if state.beam is not None:
             state.beam.done = True
         return True
+
+    def abort_running(self) -> list[str]:
+        """After a failed step: abort the requests that were running (all of them if none was,
+        since then scheduling itself failed and would fail again). Returns their ids."""
+        running = {seq.request_id for seq in self.scheduler.running}
+        victims = sorted(running or self.requests)
+        for request_id in victims:
+            self.abort(request_id)
+        return victims
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -95,6 +95,10 @@ def paged_attention_decode_torch(
         )
     lens = seq_lens.to(torch.int64)
     blocks = block_tables[:, :nblk].to(torch.int64)
+    if dev.type == "cpu" and lo > 0:
+        shared = _decode_shared_blocks(query.reshape(b, hkv, g, d), k_cache, v_cache, blocks, lens, bs, float(scale))
+        if shared is not None:
+            return shared.reshape(b, hq, d)
     slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).view(b, nblk * bs)[:, :hi]
     valid = torch.arange(hi, device=dev).unsqueeze(0) < lens.unsqueeze(1)  # [B, Kmax]
     if lo <= 0:  # empty rows: read any real slot, zero the output afterwards
@@ -124,6 +128,47 @@ def paged_attention_decode_torch(
     if lo <= 0:
         out = out.masked_fill((lens <= 0)[:, None, None], 0.0)
     return out
+
+
+# Read each distinct block once when the batch shares at least this much: the per-sequence gather
+# copies sum(seq_lens) slots of K and V, the shared path copies the distinct blocks once and pays
+# B x distinct-slots score work instead (cheap next to memory traffic up to a few times over).
+_SHARED_PATH_MAX_WORK = 4
+
+
+def _decode_shared_blocks(q, k_cache, v_cache, blocks, lens, bs, scale):
+    """Decode attention over the batch's DISTINCT blocks: the n>1 samples, beams and requests
+    that share a prompt prefix read its KV once instead of once per sequence (CPU path).
+
+    Every query scores every distinct slot in one matmul; a mask keeps, for each sequence, only
+    the slots of its own blocks below its length. Returns None when sharing is too low to pay.
+
+        distinct blocks:  u0 u1 u2 ...        (torch.unique of the used block-table entries)
+        slot columns:     [u0*bs .. u0*bs+bs) [u1*bs ..) ...
+        seq b keeps column u*bs+o  iff  its table holds u at column j and j*bs+o < len_b
+    """
+    b, hkv, g, d = q.shape
+    nblk = blocks.shape[1]
+    used = torch.arange(nblk).unsqueeze(0) * bs < lens.unsqueeze(1)  # [B, nblk]
+    unique, inverse = torch.unique(blocks[used], return_inverse=True)  # inverse: per used entry
+    slots = unique.numel() * bs
+    if b * slots > _SHARED_PATH_MAX_WORK * int(lens.sum()):
+        return None
+    rows, cols = used.nonzero(as_tuple=True)  # row-major, aligned with `inverse`
+    offs = torch.arange(bs)
+    visible = (cols.unsqueeze(1) * bs + offs) < lens[rows].unsqueeze(1)  # [n_used, bs]
+    columns = inverse.unsqueeze(1) * bs + offs  # [n_used, bs] column in the distinct layout
+    mask = torch.zeros(b, slots, dtype=torch.bool)
+    mask[rows.unsqueeze(1).expand_as(columns)[visible], columns[visible]] = True  # [B, S]
+
+    k = k_cache.index_select(0, unique).reshape(slots, hkv, d).permute(1, 2, 0)  # [Hkv, D, S]
+    v = v_cache.index_select(0, unique).reshape(slots, hkv, d).transpose(0, 1)  # [Hkv, S, D]
+    qh = q.permute(1, 0, 2, 3).reshape(hkv, b * g, d)  # [Hkv, B*G, D]
+    scores = torch.matmul(qh, k).float() * scale  # [Hkv, B*G, S]
+    scores = scores.view(hkv, b, g, slots).masked_fill(~mask[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(hkv, b * g, slots)
+    out = torch.matmul(probs, v)  # [Hkv, B*G, D]
+    return out.view(hkv, b, g, d).permute(1, 0, 2, 3)  # [B, Hkv, G, D]
 
 
 _CPU_CHUNK_BYTES = 3 << 19  # 1.5 MiB of gathered K+V per SDPA call on CPU

@@ -172,3 +172,33 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         paged_attention_decode_triton(**_valid_args())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g", [1, 3])
+def test_reference_reads_shared_blocks_once(dtype, g):
+    """Sequences sharing prefix blocks (n>1 forks, beams, shared system prompts) take the
+    distinct-block path; it must agree with naive attention on each sequence's own K/V."""
+    import kernels.paged_attention_decode as mod
+
+    bs, hkv, d, nb = 8, 2, 32, 64
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn((nb, bs, hkv, d), generator=gen).to(dtype)
+    v_cache = torch.randn((nb, bs, hkv, d), generator=gen).to(dtype)
+    prefix = [5, 9, 2, 40]  # 4 shared blocks = 32 tokens
+    tables = [prefix + [11], prefix + [12, 13], prefix + [14], prefix[:3], prefix + [15]]
+    lens = [33, 47, 40, 20, 32]  # ends in own block, mid-block, block-aligned, inside the prefix
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn((len(tables), hkv * g, d), generator=gen).to(dtype)
+    blocks = bt.long()
+    assert mod._decode_shared_blocks(query.view(len(tables), hkv, g, d), k_cache, v_cache, blocks,
+                                     seq_lens.long(), bs, 0.3) is not None  # the shared path is taken
+    out = paged_attention_decode_torch(query, k_cache, v_cache, bt, seq_lens, 0.3)
+    for s, (table, n) in enumerate(zip(tables, lens)):
+        slots = [table[p // bs] * bs + p % bs for p in range(n)]
+        k = k_cache.reshape(nb * bs, hkv, d)[slots]
+        v = v_cache.reshape(nb * bs, hkv, d)[slots]
+        exp = naive_attention(query[s : s + 1], k, v, 0.3, [n - 1])
+        torch.testing.assert_close(out[s : s + 1].double(), exp, **TOL[dtype])

@@ -1,0 +1,110 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+Every failure leaves the server in this shape: our own `OpenAIError`, the engine's typed errors
+(InvalidRequestError -> 400 with its param, ContextLengthExceededError -> 400
+context_length_exceeded), Litestar's own 404/405/413/validation errors, and anything unexpected
+(500, logged). Headers such as Retry-After are kept.
+"""
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
+
+logger = logging.getLogger("prefixserve.server")
+
+# status -> (type, default code): the types OpenAI's API uses.
+_KINDS: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    403: ("invalid_request_error", "forbidden"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+    422: ("invalid_request_error", None),
+    429: ("rate_limit_exceeded", "rate_limit_exceeded"),
+    500: ("server_error", "internal_error"),
+    503: ("server_error", "service_unavailable"),
+}
+
+
+class OpenAIError(HTTPException):
+    """An error the API reports to its client in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,  # noqa: A002 - OpenAI's field name
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(detail=message, status_code=status_code, headers=headers)
+        kind, default_code = _KINDS.get(status_code, ("server_error" if status_code >= 500 else
+                                                       "invalid_request_error", None))
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else default_code
+        self.type = type or kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def from_exception(exc: BaseException) -> OpenAIError:
+    """Map any exception onto the OpenAIError a client should see."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, ContextLengthExceededError):
+        return OpenAIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return OpenAIError(400, str(exc), param=exc.param)
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, f"The engine is not running: {exc}", headers={"Retry-After": "5"})
+    if isinstance(exc, HTTPException):
+        status = exc.status_code
+        message = exc.detail or HTTPStatus(status).phrase
+        param = None
+        if status == 404:
+            message = f"Not found: {message}" if message != "Not Found" else "The requested resource was not found."
+        elif status == 413:
+            message = "The request body is too large."
+        elif isinstance(exc.extra, list) and exc.extra:  # Litestar validation errors: name the field
+            first = exc.extra[0]
+            if isinstance(first, dict):
+                param = first.get("key")
+                message = f"{message}: {first.get('message', '')}".rstrip(": ")
+        return OpenAIError(status, message, param=param, headers=dict(exc.headers or {}))
+    return OpenAIError(500, f"Internal server error: {type(exc).__name__}: {exc}")
+
+
+def error_response(error: OpenAIError) -> Response:
+    return Response(
+        content=msgspec.json.encode(error.body()),
+        status_code=error.status_code,
+        media_type="application/json",
+        headers=dict(error.headers or {}),
+    )
+
+
+def handle_exception(request: Request, exc: Exception) -> Response:
+    """The app-wide exception handler (registered for Exception: covers HTTPException too)."""
+    error = from_exception(exc)
+    if error.status_code >= 500:
+        logger.error("%s %s failed: %s", request.method, request.url.path, error.message,
+                     exc_info=not isinstance(exc, (HTTPException, EngineDeadError)))
+    return error_response(error)
+
+
+def sse_error(exc: BaseException) -> bytes:
+    """An error after the stream began: one `data: {"error": ...}` event (the stream then ends)."""
+    return b"data: " + msgspec.json.encode(from_exception(exc).body()) + b"\n\n"

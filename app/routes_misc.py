@@ -1,0 +1,89 @@
+"""Operational endpoints: /health, /metrics, /version, and vLLM's /tokenize and /detokenize."""
+from __future__ import annotations
+
+from importlib import metadata
+
+from litestar import Request, Response, get, post
+
+from app.auth import require_api_key
+from app.errors import OpenAIError
+from app.openapi import body_operation
+from app.protocol import (
+    DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, VersionResponse, decode_request, encode,
+)
+from app.serving import chat_conversation, render_chat
+from app.state import RETRY_AFTER_S, ServerState
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("prefixserve")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _json(payload) -> Response:
+    return Response(content=encode(payload), media_type="application/json", status_code=200)
+
+
+@get("/health", tags=["Operations"], summary="Liveness / readiness")
+async def health(request: Request) -> Response:
+    """200 (empty body) when the engine is ready; 503 while loading, draining, or after the engine died."""
+    state = _state(request)
+    if not state.ready:
+        raise OpenAIError(503, state.not_ready_reason(), headers={"Retry-After": RETRY_AFTER_S})
+    return Response(content=b"", status_code=200)
+
+
+@get("/metrics", tags=["Operations"], summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    body, content_type = _state(request).metrics.render()
+    return Response(content=body, media_type=content_type, status_code=200)
+
+
+@get("/version", tags=["Operations"], summary="Server version")
+async def version() -> Response:
+    return _json(VersionResponse(package_version()))
+
+
+@post("/tokenize", status_code=200, guards=[require_api_key], tags=["Tokenizer"],
+      operation_class=body_operation(TokenizeRequest), summary="Tokenize a prompt or chat messages")
+async def tokenize(request: Request) -> Response:
+    state = _state(request)
+    engine = state.require_engine()
+    req = decode_request(await request.body(), TokenizeRequest)
+    state.model_name(req.model)
+    core = engine.engine
+    tokenizer = core.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise OpenAIError(400, "Pass exactly one of prompt and messages.", param="prompt")
+    if req.messages is not None:
+        ids = render_chat(tokenizer, chat_conversation(req.messages),
+                          add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
+                          continue_final_message=False, template_kwargs=None)
+    else:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = tokenizer(req.prompt, add_special_tokens=add_special).input_ids
+    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return _json(TokenizeResponse(len(ids), core.max_model_len, ids, strs))
+
+
+@post("/detokenize", status_code=200, guards=[require_api_key], tags=["Tokenizer"],
+      operation_class=body_operation(DetokenizeRequest), summary="Detokenize token ids")
+async def detokenize(request: Request) -> Response:
+    state = _state(request)
+    engine = state.require_engine()
+    req = decode_request(await request.body(), DetokenizeRequest)
+    state.model_name(req.model)
+    core = engine.engine
+    vocab = core.model_config.vocab_size
+    if not all(0 <= t < vocab for t in req.tokens):
+        raise OpenAIError(400, f"tokens must be ids in [0, {vocab}).", param="tokens")
+    return _json(DetokenizeResponse(core.tokenizer.decode(req.tokens)))
+
+
+MISC_ROUTES = [health, metrics, version, tokenize, detokenize]

@@ -1,0 +1,256 @@
+"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from litestar import Request, Response, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.response import Stream
+
+from app.errors import OpenAIError
+from app.auth import require_api_key
+from app.openapi import body_operation
+from app.protocol import (
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatResponseMessage,
+    ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage,
+    ModelCard, ModelList, Usage, decode_request, encode,
+)
+from app.serving import (
+    ChoiceCursor, Run, chat_conversation, chat_logprobs, completion_logprobs, completion_prompts, finish_reason,
+    guarded_stream, render_chat, sampling_params, sse, usage,
+)
+from app.state import ServerState
+from engine.outputs import CompletionOutput, RequestOutput
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+LARGE_PROMPT_CHARS = 64 * 1024
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _json(payload) -> Response:
+    return Response(content=encode(payload), media_type="application/json", status_code=200)
+
+
+def _sse_response(body: AsyncGenerator[bytes, None], run: Run) -> Stream:
+    async def cleanup() -> None:  # runs after the response, also after a disconnect
+        await body.aclose()
+        await run.close()
+
+    return Stream(body, media_type="text/event-stream", status_code=200,
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                  background=BackgroundTask(cleanup))
+
+
+def _check_aborted(output: CompletionOutput) -> None:
+    if output.finish_reason == "abort":
+        raise OpenAIError(503, "The request was aborted by the server.", headers={"Retry-After": "1"})
+
+
+def _stream_flags(req) -> tuple[bool, bool]:
+    options = req.stream_options
+    if options is None:
+        return False, False
+    return bool(options.include_usage), bool(options.continuous_usage_stats)
+
+
+# -- /v1/completions -----------------------------------------------------------------------
+@post("/v1/completions", status_code=200, guards=[require_api_key], tags=["OpenAI"],
+      operation_class=body_operation(CompletionRequest), summary="Create a completion")
+async def create_completion(request: Request) -> Response:
+    state = _state(request)
+    engine = state.require_engine()
+    req = decode_request(await request.body(), CompletionRequest)
+    model = state.model_name(req.model)
+    if req.suffix:
+        raise OpenAIError(400, "suffix is not supported.", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise OpenAIError(400, "echo together with logprobs is not supported.", param="echo")
+    prompts = completion_prompts(req.prompt)
+    core = engine.engine
+    params = sampling_params(
+        req, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+        logprobs=req.logprobs, vocab_size=core.model_config.vocab_size,
+    )
+    request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+    state.admit(engine, len(prompts))
+    run = await Run.start(engine, state.metrics, prompts, params, request_id, priority=req.priority or 0,
+                          cache_salt=req.cache_salt)
+    created = int(time.time())
+    decode = core.detokenizer.decode_token
+
+    def prompt_text(out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else core.tokenizer.decode(out.prompt_token_ids)
+
+    if req.stream:
+        include_usage, continuous = _stream_flags(req)
+        events = _completion_events(run, request_id, created, model, params.n, req.logprobs, bool(req.echo),
+                                    include_usage, continuous, decode, prompt_text)
+        return _sse_response(guarded_stream(events, run), run)
+    try:
+        finals = await run.final_outputs(request)
+    finally:
+        await run.close()
+    choices = []
+    for i, out in enumerate(finals):
+        echo = prompt_text(out) if req.echo else ""
+        for c in out.outputs:
+            _check_aborted(c)
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, decode, 0)
+            choices.append(CompletionChoice(i * params.n + c.index, echo + c.text, lp, finish_reason(c),
+                                            c.stop_reason))
+    return _json(CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                    usage=usage(finals)))
+
+
+async def _completion_events(run: Run, request_id: str, created: int, model: str, n: int, k: int | None, echo: bool,
+                             include_usage: bool, continuous: bool, decode, prompt_text) -> AsyncIterator[bytes]:
+    cursors: dict[tuple[int, int], ChoiceCursor] = {}
+    latest: dict[int, RequestOutput] = {}
+    async for i, out in run.outputs():
+        latest[i] = out
+        for c in out.outputs:
+            cursor = cursors.setdefault((i, c.index), ChoiceCursor())
+            if cursor.done:
+                continue
+            _check_aborted(c)
+            first = cursor.num_tokens == 0 and cursor.text_len == 0
+            text, start, end = cursor.advance(c)
+            if echo and first:
+                text = prompt_text(out) + text
+            lp = None
+            if k is not None and end > start and c.logprobs is not None:
+                lp = completion_logprobs(c.token_ids[start:end], c.logprobs[start:end], k, decode, cursor.text_offset)
+                cursor.text_offset += sum(len(t) for t in lp.tokens)
+            reason = finish_reason(c)
+            if not text and reason is None and lp is None:
+                continue
+            cursor.done = reason is not None
+            yield sse(CompletionStreamResponse(
+                id=request_id, object="text_completion", created=created, model=model,
+                choices=[CompletionChoice(i * n + c.index, text, lp, reason, c.stop_reason if reason else None)],
+                usage=usage(list(latest.values())) if continuous else None,
+            ))
+    if len(cursors) < len(run.streams) * n or not all(c.done for c in cursors.values()):
+        raise OpenAIError(503, "The request was aborted before it finished.")
+    if include_usage:
+        yield sse(CompletionStreamResponse(id=request_id, object="text_completion", created=created, model=model,
+                                           choices=[], usage=usage(list(latest.values()))))
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------
+@post("/v1/chat/completions", status_code=200, guards=[require_api_key], tags=["OpenAI"],
+      operation_class=body_operation(ChatCompletionRequest), summary="Create a chat completion")
+async def create_chat_completion(request: Request) -> Response:
+    state = _state(request)
+    engine = state.require_engine()
+    req = decode_request(await request.body(), ChatCompletionRequest)
+    model = state.model_name(req.model)
+    core = engine.engine
+    conversation = chat_conversation(req.messages)
+    top = req.top_logprobs
+    if top is not None and top > 0 and not req.logprobs:
+        raise OpenAIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if top is not None and not 0 <= top <= 20:
+        raise OpenAIError(400, f"top_logprobs must be in [0, 20], got {top}.", param="top_logprobs")
+    k = (top or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, vocab_size=core.model_config.vocab_size)
+    render = functools.partial(
+        render_chat, core.tokenizer, conversation,
+        add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
+        continue_final_message=bool(req.continue_final_message), template_kwargs=req.chat_template_kwargs,
+    )
+    # Rendering + tokenizing a huge conversation takes a while: keep the event loop free meanwhile.
+    big = sum(len(m["content"]) for m in conversation) > LARGE_PROMPT_CHARS
+    prompt_ids = await asyncio.to_thread(render) if big else render()
+    request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    state.admit(engine, 1)
+    run = await Run.start(engine, state.metrics, [{"prompt_token_ids": prompt_ids}], params, request_id,
+                          priority=req.priority or 0, cache_salt=req.cache_salt)
+    created = int(time.time())
+    decode = core.detokenizer.decode_token
+    if req.stream:
+        include_usage, continuous = _stream_flags(req)
+        events = _chat_events(run, request_id, created, model, params.n, k, include_usage, continuous, decode)
+        return _sse_response(guarded_stream(events, run), run)
+    try:
+        finals = await run.final_outputs(request)
+    finally:
+        await run.close()
+    out = finals[0]
+    choices = []
+    for c in out.outputs:
+        _check_aborted(c)
+        lp = chat_logprobs(c.token_ids, c.logprobs or [], k, decode) if k is not None else None
+        choices.append(ChatChoice(c.index, ChatResponseMessage("assistant", c.text), lp, finish_reason(c),
+                                  c.stop_reason))
+    return _json(ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                        usage=usage(finals)))
+
+
+def _chat_chunk(request_id: str, created: int, model: str, choices: list[ChatStreamChoice],
+                usage_: Usage | None = None) -> ChatCompletionStreamResponse:
+    return ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created, model=model,
+                                        choices=choices, usage=usage_)
+
+
+async def _chat_events(run: Run, request_id: str, created: int, model: str, n: int, k: int | None,
+                       include_usage: bool, continuous: bool, decode) -> AsyncIterator[bytes]:
+    for index in range(n):  # OpenAI: the first delta of every choice carries the role
+        yield sse(_chat_chunk(request_id, created, model, [ChatStreamChoice(index, DeltaMessage("assistant", ""))]))
+    cursors = [ChoiceCursor() for _ in range(n)]
+    latest: RequestOutput | None = None
+    async for _, out in run.outputs():
+        latest = out
+        for c in out.outputs:
+            cursor = cursors[c.index]
+            if cursor.done:
+                continue
+            _check_aborted(c)
+            text, start, end = cursor.advance(c)
+            lp = None
+            if k is not None and end > start and c.logprobs is not None:
+                lp = chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], k, decode)
+            reason = finish_reason(c)
+            if not text and reason is None and lp is None:
+                continue
+            cursor.done = reason is not None
+            delta = DeltaMessage(content=text) if text else DeltaMessage()
+            yield sse(_chat_chunk(request_id, created, model, [ChatStreamChoice(c.index, delta, lp, reason)],
+                                  usage([out]) if continuous else None))
+    if latest is None or not all(c.done for c in cursors):
+        raise OpenAIError(503, "The request was aborted before it finished.")
+    if include_usage:
+        yield sse(_chat_chunk(request_id, created, model, [], usage([latest])))
+
+
+# -- /v1/models ----------------------------------------------------------------------------
+@get("/v1/models", guards=[require_api_key], tags=["OpenAI"], summary="List models")
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    engine = state.require_engine()
+    core = engine.engine
+    root = str(core.config.model)
+    cards = [ModelCard(name, state.created, root, core.max_model_len) for name in state.model_names]
+    return _json(ModelList(cards))
+
+
+@get("/v1/models/{model_id:path}", guards=[require_api_key], tags=["OpenAI"], summary="Retrieve a model")
+async def retrieve_model(request: Request, model_id: str) -> Response:
+    state = _state(request)
+    engine = state.require_engine()
+    name = state.model_name(model_id.lstrip("/"))
+    core = engine.engine
+    return _json(ModelCard(name, state.created, str(core.config.model), core.max_model_len))
+
+
+OPENAI_ROUTES = [create_completion, create_chat_completion, list_models, retrieve_model]
