@@ -41,7 +41,6 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     first_scheduled_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
     beam: BeamSearch | None = None
 
     @property
@@ -137,6 +136,7 @@ class Engine:
             )
         self.requests[request_id] = state
         self.scheduler.add(root)
+        self.counters.prompt_tokens += len(token_ids)
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
@@ -256,8 +256,6 @@ class Engine:
             self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             state = self.requests[seq.request_id]
             state.first_scheduled_time = state.first_scheduled_time or now
-            if chunk.start < seq.num_prompt_tokens:
-                self.counters.prompt_tokens += min(chunk.end, seq.num_prompt_tokens) - chunk.start
             if seq.seq_id in result.prompt_logprobs:
                 self._append_prompt_logprobs(seq, result.prompt_logprobs[seq.seq_id])
         samples = result.samples
@@ -270,7 +268,6 @@ class Engine:
                 self._append_token(seq, row, samples)
             state.first_token_time = state.first_token_time or now
             state.last_token_time = now
-            state.token_times.append(now)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
