@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidConfigError
+from engine.models.resolve import DEFAULT_MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("recompute",)
-DEFAULT_MODEL = "smollm2-135m-instruct"
 # On CPU there is no "fraction of device memory" to take: the KV pool gets a fixed budget.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.beam_search import BeamSearch
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.detokenizer import Detokenizer, stream_safe_text
 from engine.errors import ContextLengthExceededError, InvalidConfigError, InvalidRequestError
 from engine.model_runner import ModelRunner, RunnerOutput
@@ -286,7 +286,6 @@ class Engine:
         copy-on-write) before each appends its own first token."""
         for root in sampled:
             for child in root.pending_forks:
-                child.num_computed_tokens = root.num_computed_tokens
                 child.num_cached_tokens = root.num_cached_tokens
                 self._fork_seq(root, child)
             root.pending_forks = []
@@ -428,7 +427,6 @@ class Engine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1.0 - cfg.gpu_memory_utilization))
         else:
-            from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
         num_blocks = budget // per_block
         if num_blocks < 1:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InvalidConfigError
+from engine.models.resolve import SUPPORTED_ARCHITECTURES
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 # RoPE types whose frequencies are fixed at load time. "dynamic" and "longrope" rescale with the
 # running sequence length, which paged KV computed at an earlier length cannot follow.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -69,8 +69,8 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text())
     arch = (raw.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED:
-        raise InvalidConfigError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)}.")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise InvalidConfigError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
     if raw.get("hidden_act", "silu") != "silu":
         raise InvalidConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu).")
     num_heads = raw["num_attention_heads"]
