@@ -14,10 +14,11 @@ from engine.errors import (
 )
 from engine.llm import LLM, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.tool_calls import ToolChat
 
 __all__ = [
     "AsyncEngine", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "ContextLengthExceededError", "Engine", "EngineConfig", "EngineDeadError",
     "InvalidConfigError", "InvalidRequestError", "LLM", "Logprob", "PrefixServeError", "RequestOutput",
-    "SamplingParams",
+    "SamplingParams", "StructuredOutputsParams", "ToolChat",
 ]

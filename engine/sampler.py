@@ -1,9 +1,10 @@
 """Sampler: logits of the rows that need a token -> chosen tokens (+ logprobs).
 
-Order (as vLLM v1): raw logprobs from the model's logits; then logit bias, min_tokens masking
-and penalties; greedy rows take the argmax; the others are scaled by temperature, filtered by
-min_p, top_k and top_p, and sampled by the exponential race (argmax p/q, q ~ Exp(1)) using the
-row's own generator when it has a seed, so a seeded row's draw never depends on its batch.
+Order (as vLLM v1): raw logprobs from the model's logits; then logit bias, min_tokens masking,
+penalties and the grammar mask of structured outputs (-inf on disallowed tokens); greedy rows
+take the argmax; the others are scaled by temperature, filtered by min_p, top_k and top_p, and
+sampled by the exponential race (argmax p/q, q ~ Exp(1)) using the row's own generator when it
+has a seed, so a seeded row's draw never depends on its batch.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarMask, apply_grammar_mask
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,16 @@ class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for rows without their own seed
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-        # logits: [N, V] float32
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None) -> SampleResult:
+        # logits: [N, V] float32, consumed: the grammar mask is written into them (a 3 MB copy per
+        # step at N=16 cost more than the mask itself).
         want_logprobs = any(r.num_top_logprobs is not None for r in rows)
+        # Logprobs stay the model's own (as vLLM): computed before any processor or grammar mask.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
+        model_logits = logits
         logits = self._apply_processors(logits, rows)
+        if grammar is not None:
+            logits = self._apply_grammar(logits, model_logits, rows, grammar)
         tokens = self._choose(logits, rows)  # [N]
         return self._result(tokens, raw_logprobs, rows)
 
@@ -60,6 +67,24 @@ class Sampler:
                 self._penalize(logits[i], row, vocab)
             if row.banned_token_ids:
                 logits[i, [t for t in row.banned_token_ids if t < vocab]] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_grammar(
+        logits: torch.Tensor, model_logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask
+    ) -> torch.Tensor:
+        apply_grammar_mask(logits, grammar)  # in place (on a processors' copy if there was one)
+        banned = [j for j, r in enumerate(grammar.rows.tolist()) if rows[r].banned_token_ids]
+        if banned:
+            # min_tokens banned the only tokens the grammar allows (EOS once it is complete): the
+            # grammar wins, so such a row keeps a choice. (Bans made _apply_processors copy the
+            # logits, so model_logits are still unmasked.)
+            idx = grammar.rows[banned]
+            dead = torch.isneginf(logits[idx]).all(dim=-1)  # [b]
+            if bool(dead.any()):
+                keep = GrammarMask(idx[dead], grammar.bitmask[torch.tensor(banned)[dead]])
+                logits[keep.rows] = model_logits[keep.rows]
+                apply_grammar_mask(logits, keep)
         return logits
 
     @staticmethod

@@ -13,6 +13,49 @@ SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Grammar-constrained decoding (vLLM's name): exactly one constraint per request.
+
+    `json` is a JSON Schema (a dict or its JSON text), `json_object` asks for any JSON object,
+    `regex` a regular expression the whole output matches, `choice` one of the given strings,
+    `grammar` a lark grammar in llguidance's syntax. The engine compiles the constraint once
+    per request (engine/structured_output.py) and masks every sampled token with it.
+    """
+
+    json: dict | str | None = field(default=None, hash=False)
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = field(default=None, hash=False)
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(msg, param="structured_outputs")
+
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is True:
+            kinds.append("json_object")
+        elif self.json_object is not False:
+            bad(f"json_object must be a boolean, got {self.json_object!r}.")
+        if len(kinds) != 1:
+            bad(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {kinds or 'none'}."
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            bad(f"json must be a JSON Schema (a dict or JSON text), got {type(self.json).__name__}.")
+        if self.regex is not None and not isinstance(self.regex, str):
+            bad(f"regex must be a string, got {type(self.regex).__name__}.")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            bad("grammar must be a non-empty lark grammar string.")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
+                bad("choice must be a list of strings.")
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                bad("choice must be a non-empty list of strings.")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     best_of: int | None = None
@@ -39,6 +82,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # Grammar-constrained decoding (engine/structured_output.py); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str, param: str) -> None:
@@ -90,6 +135,11 @@ class SamplingParams:
         if self.use_beam_search and self.temperature > SAMPLING_EPS and self.temperature != 1.0:
             # Beam search is deterministic; a sampling temperature would be silently ignored.
             bad("use_beam_search requires temperature 0 (or the default).", "temperature")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs must be a StructuredOutputsParams.", "structured_outputs")
+            if self.use_beam_search:
+                bad("structured_outputs cannot be combined with use_beam_search.", "structured_outputs")
 
     # Derived views: computed, never stored, so the dataclass stays a plain value.
     @property
