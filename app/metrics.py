@@ -35,6 +35,17 @@ _ENGINE_METRICS = {
     "num_preemptions": ("counter", "Cumulative number of preemptions."),
     "prompt_tokens": ("counter", "Number of prefill tokens processed."),
     "generation_tokens": ("counter", "Number of generation tokens processed."),
+    # Host-memory and Redis KV tiers (engine/kv_tiers.py); counts are in blocks unless stated.
+    "kv_host_hits": ("counter", "KV blocks loaded from the host-memory tier instead of recomputed."),
+    "kv_host_stores": ("counter", "KV blocks demoted from the device pool to the host-memory tier."),
+    "kv_host_usage_perc": ("gauge", "Host-memory KV tier usage: fraction of its slots holding blocks."),
+    "kv_swapped_out_blocks": ("counter", "KV blocks of preempted sequences swapped out to host memory."),
+    "kv_swapped_in_blocks": ("counter", "KV blocks of resumed sequences swapped back in."),
+    "kv_redis_hits": ("counter", "KV blocks loaded from Redis instead of recomputed."),
+    "kv_redis_writes": ("counter", "KV blocks written to Redis."),
+    "kv_redis_dropped_writes": ("counter", "KV block writes to Redis dropped (queue full or Redis failing)."),
+    "kv_redis_failures": ("counter", "Failed Redis calls (each degraded to recomputation)."),
+    "kv_redis_corrupt_values": ("counter", "Redis values ignored as corrupt, truncated or foreign."),
 }
 
 

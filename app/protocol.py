@@ -56,6 +56,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     priority: int | None = None
     user: str | None = None
     request_id: str | None = None
+    # Structured outputs (vLLM extensions; app/serving.py `structured_outputs`): a dict with one of
+    # json / json_object / regex / choice / grammar, or the older guided_* fields.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -65,6 +72,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
+    response_format: Any = None  # as on chat (vLLM accepts it here too)
 
 
 class ContentPart(msgspec.Struct):
@@ -86,11 +94,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # Accepted and ignored for now (tool calling / structured output is another issue).
+    # Tool calling (engine/tool_calls.py); legacy functions / function_call are accepted and ignored.
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: Any = None
+    response_format: Any = None  # text / json_object / json_schema -> structured outputs
     functions: list[Any] | None = None
     function_call: Any = None
     # vLLM chat extensions.
@@ -103,6 +111,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # rendered as /v1/chat/completions renders them
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     return_token_strs: bool | None = None
@@ -175,9 +184,30 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallInfo(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class DeltaToolCall(msgspec.Struct):
+    """A whole tool call in one stream delta (clients concatenate `arguments` per `index`)."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ChatResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str | None
+    content: str | None  # None when the message is only tool calls
+    tool_calls: list[ToolCallInfo] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -201,6 +231,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

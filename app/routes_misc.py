@@ -13,6 +13,7 @@ from app.protocol import (
 )
 from app.serving import chat_conversation, render_chat
 from app.state import RETRY_AFTER_S, ServerState
+from engine.tool_calls import parse_tool_request
 
 
 def package_version() -> str:
@@ -64,7 +65,7 @@ async def tokenize(request: Request) -> Response:
     if req.messages is not None:
         ids = render_chat(tokenizer, chat_conversation(req.messages),
                           add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
-                          continue_final_message=False, template_kwargs=None)
+                          continue_final_message=False, template_kwargs=None, tools=parse_tool_request(req.tools))
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = tokenizer(req.prompt, add_special_tokens=add_special).input_ids

@@ -17,14 +17,15 @@ from app.openapi import body_operation
 from app.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatResponseMessage,
     ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage,
-    ModelCard, ModelList, Usage, decode_request, encode,
+    DeltaToolCall, FunctionCall, ModelCard, ModelList, ToolCallInfo, Usage, decode_request, encode,
 )
 from app.serving import (
     ChoiceCursor, Run, chat_conversation, chat_logprobs, completion_logprobs, completion_prompts, finish_reason,
-    guarded_stream, render_chat, sampling_params, sse, usage,
+    guarded_stream, sampling_params, sse, usage,
 )
 from app.state import ServerState
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.tool_calls import PreparedChat, ToolCall, ToolChat
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 LARGE_PROMPT_CHARS = 64 * 1024
@@ -164,14 +165,17 @@ async def create_chat_completion(request: Request) -> Response:
     k = (top or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens=max_tokens, logprobs=k, vocab_size=core.model_config.vocab_size)
-    render = functools.partial(
-        render_chat, core.tokenizer, conversation,
+    # The template with tools, tool calls and tool results, plus the tool-call grammar (engine/tool_calls.py).
+    prepare = functools.partial(
+        ToolChat(core.tokenizer).prepare, conversation, req.tools, req.tool_choice, req.parallel_tool_calls,
         add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
-        continue_final_message=bool(req.continue_final_message), template_kwargs=req.chat_template_kwargs,
+        continue_final_message=bool(req.continue_final_message), chat_template_kwargs=req.chat_template_kwargs,
     )
     # Rendering + tokenizing a huge conversation takes a while: keep the event loop free meanwhile.
     big = sum(len(m["content"]) for m in conversation) > LARGE_PROMPT_CHARS
-    prompt_ids = await asyncio.to_thread(render) if big else render()
+    prepared = await asyncio.to_thread(prepare) if big else prepare()
+    params = prepared.apply(params)
+    prompt_ids = prepared.prompt_token_ids
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     state.admit(engine, 1)
     run = await Run.start(engine, state.metrics, [{"prompt_token_ids": prompt_ids}], params, request_id,
@@ -180,7 +184,8 @@ async def create_chat_completion(request: Request) -> Response:
     decode = core.detokenizer.decode_token
     if req.stream:
         include_usage, continuous = _stream_flags(req)
-        events = _chat_events(run, request_id, created, model, params.n, k, include_usage, continuous, decode)
+        events = _chat_events(run, request_id, created, model, params.n, k, include_usage, continuous, decode,
+                              prepared)
         return _sse_response(guarded_stream(events, run), run)
     try:
         finals = await run.final_outputs(request)
@@ -191,8 +196,10 @@ async def create_chat_completion(request: Request) -> Response:
     for c in out.outputs:
         _check_aborted(c)
         lp = chat_logprobs(c.token_ids, c.logprobs or [], k, decode) if k is not None else None
-        choices.append(ChatChoice(c.index, ChatResponseMessage("assistant", c.text), lp, finish_reason(c),
-                                  c.stop_reason))
+        message = prepared.parse(c.text)
+        calls = [ToolCallInfo(t.id, FunctionCall(t.name, t.arguments)) for t in message.tool_calls] or None
+        choices.append(ChatChoice(c.index, ChatResponseMessage("assistant", message.content, calls), lp,
+                                  message.finish_reason(finish_reason(c)), c.stop_reason))
     return _json(ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                         usage=usage(finals)))
 
@@ -204,10 +211,12 @@ def _chat_chunk(request_id: str, created: int, model: str, choices: list[ChatStr
 
 
 async def _chat_events(run: Run, request_id: str, created: int, model: str, n: int, k: int | None,
-                       include_usage: bool, continuous: bool, decode) -> AsyncIterator[bytes]:
+                       include_usage: bool, continuous: bool, decode, prepared: PreparedChat) -> AsyncIterator[bytes]:
     for index in range(n):  # OpenAI: the first delta of every choice carries the role
         yield sse(_chat_chunk(request_id, created, model, [ChatStreamChoice(index, DeltaMessage("assistant", ""))]))
     cursors = [ChoiceCursor() for _ in range(n)]
+    parsers = [prepared.stream_parser() for _ in range(n)]  # text -> content pieces and whole tool calls
+    num_calls = [0] * n
     latest: RequestOutput | None = None
     async for _, out in run.outputs():
         latest = out
@@ -221,10 +230,18 @@ async def _chat_events(run: Run, request_id: str, created: int, model: str, n: i
             if k is not None and end > start and c.logprobs is not None:
                 lp = chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], k, decode)
             reason = finish_reason(c)
-            if not text and reason is None and lp is None:
+            pieces = parsers[c.index].feed(text) + (parsers[c.index].finish() if reason is not None else [])
+            content = "".join(p for p in pieces if isinstance(p, str))
+            calls = []
+            for call in (p for p in pieces if isinstance(p, ToolCall)):
+                calls.append(DeltaToolCall(num_calls[c.index], call.id, FunctionCall(call.name, call.arguments)))
+                num_calls[c.index] += 1
+            if reason == "stop" and num_calls[c.index]:
+                reason = "tool_calls"
+            if not content and not calls and reason is None and lp is None:
                 continue
             cursor.done = reason is not None
-            delta = DeltaMessage(content=text) if text else DeltaMessage()
+            delta = DeltaMessage(content=content or None, tool_calls=calls or None)
             yield sse(_chat_chunk(request_id, created, model, [ChatStreamChoice(c.index, delta, lp, reason)],
                                   usage([out]) if continuous else None))
     if latest is None or not all(c.done for c in cursors):

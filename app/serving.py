@@ -18,7 +18,10 @@ from app.protocol import (
 )
 from engine.async_engine import AsyncEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.tool_calls import ToolChat, ToolRequest
+from engine.structured_output import check_structured_outputs
 
 MAX_N = 128
 INT64 = (-(2**63), 2**63 - 1)
@@ -79,8 +82,68 @@ def sampling_params(req: Any, *, max_tokens: int | None, logprobs: int | None, v
         "use_beam_search": bool(req.use_beam_search),
         "length_penalty": 1.0 if req.length_penalty is None else req.length_penalty,
         "early_stopping": False if req.early_stopping is None else req.early_stopping,
+        "structured_outputs": structured_outputs(req),
     }
     return SamplingParams(**values)  # its own checks raise InvalidRequestError(param=...) -> 400
+
+
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def structured_outputs(req: Any) -> StructuredOutputsParams | None:
+    """The output constraint of a request: OpenAI's `response_format`, vLLM's `structured_outputs`
+    or its older `guided_*` fields (at most one of them). A malformed or non-compiling constraint
+    is a 400 naming the field it came from."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None:
+        spec = _response_format(response_format)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if req.structured_outputs is not None:
+        given = {k: v for k, v in req.structured_outputs.items() if k in _STRUCTURED_KEYS and v is not None}
+        found.append(("structured_outputs", _structured("structured_outputs", **given)))
+    for name, key in _GUIDED_FIELDS.items():
+        if getattr(req, name) is not None:
+            found.append((name, _structured(name, **{key: getattr(req, name)})))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise OpenAIError(400, f"Give one output constraint, not several ({', '.join(n for n, _ in found)}).",
+                          param=found[1][0])
+    param, spec = found[0]
+    try:
+        check_structured_outputs(spec, param=param)  # tokenizer-free compile: fails here, not in the engine
+    except InvalidRequestError as exc:
+        raise OpenAIError(400, str(exc), param=param) from None
+    return spec
+
+
+def _structured(param: str, **fields: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except InvalidRequestError as exc:
+        raise OpenAIError(400, str(exc), param=param) from None
+
+
+def _response_format(value: Any) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text (no constraint), json_object, json_schema."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        json_schema = value.get("json_schema")
+        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+        if not isinstance(schema, dict):
+            raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema, a JSON Schema "
+                              "object.", param="response_format")
+        return StructuredOutputsParams(json=schema)  # `strict` or not, the output always follows the schema
+    raise OpenAIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                      "{\"type\": \"json_schema\", \"json_schema\": {...}}.", param="response_format")
 
 
 # -- prompts -------------------------------------------------------------------------------
@@ -138,42 +201,13 @@ def chat_conversation(messages: Sequence[ChatMessage]) -> list[dict]:
     return conversation
 
 
-def merge_same_role(conversation: list[dict]) -> list[dict]:
-    merged: list[dict] = []
-    for entry in conversation:
-        if merged and merged[-1]["role"] == entry["role"] and not entry.get("tool_calls") \
-                and not merged[-1].get("tool_calls"):
-            merged[-1] = {**merged[-1], "content": merged[-1]["content"] + "\n\n" + entry["content"]}
-        else:
-            merged.append(dict(entry))
-    return merged
-
-
 def render_chat(tokenizer, conversation: list[dict], *, add_generation_prompt: bool, continue_final_message: bool,
-                template_kwargs: dict | None) -> list[int]:
-    """Apply the model's chat template; token ids without extra special tokens (the template has them).
-    A template that rejects consecutive same-role messages gets them merged."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError(400, "This model has no chat template; use /v1/completions.", param="messages")
-    kwargs = dict(template_kwargs or {})
-    for reserved in ("tokenize", "conversation", "messages"):
-        kwargs.pop(reserved, None)
-    if continue_final_message:
-        if conversation[-1]["role"] != "assistant":
-            raise OpenAIError(400, "continue_final_message needs a final assistant message.", param="messages")
-        kwargs["continue_final_message"] = True
-        add_generation_prompt = False
-    attempts = [conversation, merge_same_role(conversation)]
-    error: Exception | None = None
-    for attempt in attempts:
-        try:
-            text = tokenizer.apply_chat_template(
-                attempt, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
-            return tokenizer(text, add_special_tokens=False).input_ids
-        except Exception as exc:  # jinja TemplateError, TypeError, ValueError from the template
-            error = exc
-    raise OpenAIError(400, f"The chat template could not render these messages: {error}", param="messages")
+                template_kwargs: dict | None, tools: ToolRequest | None = None) -> list[int]:
+    """Apply the model's chat template (engine/tool_calls.py: tool calls, tool results and `tools` are
+    rendered the way /v1/chat/completions renders them); token ids without extra special tokens."""
+    return ToolChat(tokenizer).render(conversation, tools, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message,
+                                      chat_template_kwargs=template_kwargs)
 
 
 # -- running -------------------------------------------------------------------------------

@@ -48,12 +48,12 @@ def test_chat_content_parts_names_and_same_role_messages(oai, client):
         {"role": "tool", "tool_call_id": "call_1", "content": "42"},
         {"role": "developer", "content": "Answer now."},
     ]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     out = oai.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=3, temperature=0,
-                                      tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                                      response_format={"type": "text"}, user="u1")
+                                      tools=tools, response_format={"type": "text"}, user="u1")
     assert out.usage.completion_tokens <= 3
     # The template saw the flattened text parts and every message.
-    tokenized = client.post("/tokenize", json={"messages": messages}).json()
+    tokenized = client.post("/tokenize", json={"messages": messages, "tools": tools}).json()
     text = client.post("/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"]
     assert "Be\nbrief." in text and "Are you there?" in text and "Answer now." in text and "42" in text
     assert tokenized["count"] == out.usage.prompt_tokens
