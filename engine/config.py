@@ -13,7 +13,9 @@ from engine.models.resolve import DEFAULT_MODEL
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-PREEMPTION_MODES = ("recompute",)
+PREEMPTION_MODES = ("recompute", "swap")
+KV_TIER_POLICIES = ("auto", "always")
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 # On CPU there is no "fraction of device memory" to take: the KV pool gets a fixed budget.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
@@ -35,6 +37,15 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
     attention_backend: str = "auto"
+    # Slower KV tiers (prefix_cache/tiers.py). Host memory: bytes for evicted and swapped-out blocks
+    # (0 = off). Redis: shared by replicas (None = off); TTL in seconds (None = keep); per-call
+    # timeout in seconds; key prefix (separates deployments sharing one Redis).
+    host_kv_cache_memory: int = 0
+    kv_redis_url: str | None = None
+    kv_redis_ttl: int | None = None
+    kv_redis_timeout: float = 0.25
+    kv_redis_key_prefix: str = "prefixserve"
+    kv_tier_policy: str = "auto"  # "auto": load vs recompute from measured costs; "always": load every hit
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -64,3 +75,17 @@ class EngineConfig:
             bad(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        if self.host_kv_cache_memory < 0:
+            bad(f"host_kv_cache_memory must be >= 0 bytes (0 = off), got {self.host_kv_cache_memory}.")
+        if self.preemption_mode == "swap" and self.host_kv_cache_memory == 0:
+            bad("preemption_mode='swap' needs host memory to swap into: set host_kv_cache_memory > 0.")
+        if self.kv_redis_url is not None and not self.kv_redis_url.startswith(REDIS_URL_SCHEMES):
+            bad(f"kv_redis_url must start with one of {REDIS_URL_SCHEMES}, got {self.kv_redis_url!r}.")
+        if self.kv_redis_ttl is not None and self.kv_redis_ttl < 1:
+            bad(f"kv_redis_ttl must be a positive number of seconds or None, got {self.kv_redis_ttl}.")
+        if not 0.0 < self.kv_redis_timeout <= 60.0:
+            bad(f"kv_redis_timeout must be in (0, 60] seconds, got {self.kv_redis_timeout}.")
+        if not self.kv_redis_key_prefix or any(c in self.kv_redis_key_prefix for c in ": \t\n"):
+            bad(f"kv_redis_key_prefix must be non-empty without ':' or whitespace, got {self.kv_redis_key_prefix!r}.")
+        if self.kv_tier_policy not in KV_TIER_POLICIES:
+            bad(f"kv_tier_policy must be one of {KV_TIER_POLICIES}, got {self.kv_tier_policy!r}.")

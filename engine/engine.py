@@ -15,6 +15,7 @@ from engine.beam_search import BeamSearch
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.detokenizer import Detokenizer, stream_safe_text
 from engine.errors import ContextLengthExceededError, InvalidConfigError, InvalidRequestError
+from engine.kv_tiers import build_kv_tiers, tier_stats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.config import ModelConfig, load_model_config
 from engine.models.loader import load_model
@@ -23,6 +24,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.structured_output import StructuredOutputManager
 from kernels import get_attention_ops
 from prefix_cache import BlockManager
 
@@ -73,16 +75,25 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         model = load_model(folder, self.model_config, self.dtype, self.device)
         num_blocks = self._num_kv_blocks()
+        fingerprint = model_fingerprint(folder)
         self.blocks = BlockManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-            extra_keys=(model_fingerprint(folder), config.dtype),
+            extra_keys=(fingerprint, config.dtype),
         )
+        # Host-memory and Redis KV tiers (None when both are off).
+        self.tiers = build_kv_tiers(config, self.blocks, self.model_config, fingerprint)
         self.scheduler = Scheduler(
-            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy), self.blocks
+            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy), self.blocks,
+            tiers=self.tiers, preemption_mode=config.preemption_mode,
         )
         ops = get_attention_ops(config.attention_backend, self.device)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         self.runner = ModelRunner(
-            model, self.model_config, num_blocks, config.block_size, ops, self.device, self.dtype, config.seed
+            model, self.model_config, num_blocks, config.block_size, ops, self.device, self.dtype, config.seed,
+            structured=self.structured,
+            num_host_kv_slots=self.tiers.host.num_slots if self.tiers is not None and self.tiers.host else 0,
         )
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
@@ -96,6 +107,12 @@ class Engine:
             self.model_config.num_kv_heads, config.dtype, self.device, ops.name, num_blocks, config.block_size,
             num_blocks * config.block_size, kv_bytes / 2**20, self.max_model_len,
         )
+        if self.tiers is not None:
+            logger.info(
+                "KV tiers: host memory %s; Redis %s; preemption=%s; load policy=%s",
+                f"{self.tiers.host.num_slots} blocks" if self.tiers.host else "off",
+                config.kv_redis_url or "off", config.preemption_mode, config.kv_tier_policy,
+            )
 
     # -- public API ---------------------------------------------------------------------
     def add_request(
@@ -113,6 +130,10 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.", param="request_id")
         text, token_ids = self._tokenize(prompt)
         params = self._effective_params(params, len(token_ids))
+        # Compiled (or found in the cache) before anything is created: a bad grammar fails alone.
+        grammar = (
+            self.structured.compile(params.structured_outputs) if params.structured_outputs is not None else None
+        )
         state = RequestState(request_id, text, token_ids, [], arrival_time or time.monotonic())
         order = next(self._arrivals)
         # n>1 samples and beams are all one prompt: only the first sequence computes it; the
@@ -126,6 +147,8 @@ class Engine:
                 logprobs=[] if params.logprobs is not None else None,
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             ))
+        if grammar is not None:  # every sample parses on its own, forks included
+            self.structured.add([s.seq_id for s in state.seqs], grammar)
         root = state.seqs[0]
         root.pending_forks = state.seqs[1:]
         root.group_size = params.n
@@ -141,12 +164,50 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            if self.tiers is not None:
+                self.tiers.end_step(True)  # tier lookups may have pinned host slots
             return []
+        ok, result = False, None
         try:
-            result = self.runner.execute(batch)
+            result = self._run(batch)
+            ok = True
         finally:  # the copy sources are protected only until this step's model run, failed or not
             self.blocks.release_copy_sources()
-        return self._postprocess(batch, result)
+            if self.tiers is not None:
+                self.tiers.end_step(ok)
+        if result is None:  # tier moves only (demotions, swap-outs)
+            return []
+        outputs = self._postprocess(batch, result)
+        if self.tiers is not None:
+            self._write_through()
+        return outputs
+
+    def _run(self, batch: SchedulerOutput) -> RunnerOutput | None:
+        if not batch.chunks:
+            self.tiers.record_step(0.0, 0, self.runner.apply_transfers(batch.transfers))
+            return None
+        start = time.perf_counter()
+        result = self.runner.execute(batch)
+        if self.tiers is not None:  # feed the load-vs-recompute estimates
+            t = result.transfer_timings
+            moved = 0.0 if t is None else t.device_to_host_s + t.host_to_device_s + t.remote_to_device_s
+            self.tiers.record_step(time.perf_counter() - start - moved, batch.num_batched_tokens, t)
+        return result
+
+    def _write_through(self) -> None:
+        """Blocks cached this step go to Redis: read their bytes now, while they are immutable."""
+        writes = self.tiers.take_writes()
+        if writes:
+            self.tiers.submit_writes(writes, self.runner.kv_mover.read_blocks([w.block_id for w in writes]))
+
+    def flush_kv_writes(self, timeout: float = 5.0) -> bool:
+        """Wait until queued Redis writes are written (True) or ``timeout`` passed (False)."""
+        return self.tiers.flush(timeout) if self.tiers is not None else True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush queued Redis writes (up to ``timeout``) and stop the tier's writer. Idempotent."""
+        if self.tiers is not None:
+            self.tiers.close(timeout)
 
     def abort(self, request_id: str) -> bool:
         state = self.requests.pop(request_id, None)
@@ -186,21 +247,26 @@ class Engine:
             "num_requests_waiting": len({s.request_id for s in self.scheduler.waiting}),
             "kv_cache_usage_perc": usage["num_in_use"] / max(usage["num_blocks"], 1),
             "prefix_cache_queries": cache.queries,
-            "prefix_cache_hits": cache.hits,
+            # device hits plus tokens loaded from the host / Redis tiers
+            "prefix_cache_hits": cache.hits + (self.tiers.counters.loaded_tokens if self.tiers is not None else 0),
             "prefix_cache_evictions": cache.evictions,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.counters.prompt_tokens,
             "generation_tokens": self.counters.generation_tokens,
             "request_success": dict(self.counters.requests_finished),
+            **tier_stats(self.tiers),
         }
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         live = {s.seq_id for s in self.scheduler.running}
         for seq in self.scheduler.waiting:
             assert not self.blocks.has_seq(seq.seq_id), f"waiting {seq.seq_id} holds blocks"
         for seq_id in live:
             assert self.blocks.has_seq(seq_id), f"running {seq_id} holds no blocks"
+        self.structured.check_integrity({s.seq_id for st in self.requests.values() for s in st.live_seqs()})
 
     # -- admission ------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -356,12 +422,15 @@ class Engine:
             seq.logprobs.append(entry)
         p = seq.params
         stop = self.detokenizer.update(seq, previous_len)
+        grammar_done = p.structured_outputs is not None and self.structured.accept(seq.seq_id, token)
         if p.stop_token_ids and token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.model_config.eos_token_ids and not p.ignore_eos:
             seq.finish_reason = "stop"
         elif stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop.stop
+        elif grammar_done:  # the output is complete and the grammar allows nothing more
+            seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
@@ -377,6 +446,7 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         self.runner.release(seq.seq_id)
+        self.structured.release(seq.seq_id)
 
     def _request_output(self, state: RequestState) -> RequestOutput:
         finished = state.finished

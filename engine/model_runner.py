@@ -10,12 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.kv_tiers import KVMover
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SampleResult, SampleRow, Sampler
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
+from engine.structured_output import GrammarMask, StructuredOutputManager
 from kernels import AttentionOps
+from prefix_cache import KVTransfers, TransferTimings
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class RunnerOutput:
     sampled_seqs: tuple[Sequence, ...]  # aligned with `samples` rows (pending forks included)
     samples: SampleResult
     prompt_logprobs: dict[str, PromptLogprobs]  # seq_id -> this step's prompt logprobs
+    transfer_timings: TransferTimings | None = None  # the step's KV tier moves, when it had any
 
 
 class ModelRunner:
@@ -46,13 +50,17 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
+        structured: StructuredOutputManager | None = None,
+        num_host_kv_slots: int = 0,
     ) -> None:
         self.model, self.cfg, self.ops = model, model_config, ops
+        self.structured = structured  # grammar masks of structured-output sequences (owned by the engine)
         self.block_size, self.device, self.dtype = block_size, device, dtype
         cfg = model_config
         self.kv_cache = torch.zeros(  # [L, 2, NB, BS, Hkv, D]
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )
+        self.kv_mover = KVMover(self.kv_cache, num_host_kv_slots)  # host slots + tier transfers
         self.scale = cfg.head_dim ** -0.5
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
@@ -60,8 +68,14 @@ class ModelRunner:
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
 
+    def apply_transfers(self, transfers: KVTransfers) -> TransferTimings:
+        """A step's KV tier moves alone (a step that admitted nothing may still demote or swap)."""
+        return self.kv_mover.apply(transfers)
+
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        # Tier moves first: a block demoted this step may be a copy target or get new KV below.
+        timings = self.kv_mover.apply(batch.transfers) if batch.transfers else None
         if batch.copies:
             self.ops.copy_blocks(self.kv_cache, torch.tensor(batch.copies, dtype=torch.long, device=self.device))
         chunks = sorted(batch.chunks, key=lambda c: c.num_new_tokens != 1)  # decodes first
@@ -81,9 +95,9 @@ class ModelRunner:
                     seqs.append(seq)
         logits = self.model.compute_logits(hidden[torch.tensor(row_positions, dtype=torch.long, device=self.device)])
         rows = [self._sample_row(seq) for seq in seqs]
-        samples = self.sampler(logits.cpu(), rows)  # logits: [S, V]
+        samples = self.sampler(logits.cpu(), rows, self._grammar_mask(seqs))  # logits: [S, V]
         prompt_lp = self._prompt_logprobs(chunks, hidden, ends)
-        return RunnerOutput(tuple(seqs), samples, prompt_lp)
+        return RunnerOutput(tuple(seqs), samples, prompt_lp, timings)
 
     # -- tensors ------------------------------------------------------------------------
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -139,6 +153,11 @@ class ModelRunner:
         # Beam search ranks each beam's best 2*width continuations by raw logprob.
         num_top = 2 * p.n if p.use_beam_search else p.logprobs
         return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, generator, banned, num_top)
+
+    def _grammar_mask(self, seqs: list[Sequence]) -> GrammarMask | None:
+        if self.structured is None or all(s.params.structured_outputs is None for s in seqs):
+            return None  # the common case costs one attribute check per row
+        return self.structured.grammar_mask([s.seq_id for s in seqs])
 
     def _prompt_logprobs(
         self, chunks: list[ScheduledChunk], hidden: torch.Tensor, ends: torch.Tensor

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.inflight_prefixes import InflightPrefixes
 from engine.sequence import Sequence, SequenceStatus
-from prefix_cache import BlockManager, NoFreeBlocksError, PrefixHit
+from prefix_cache import BlockManager, KVTiers, KVTransfers, NoFreeBlocksError, PrefixHit
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,12 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     copies: tuple[tuple[int, int], ...]  # (src, dst) KV block copies to run before the forward
     preempted: tuple[Sequence, ...]
+    # Tier moves (demotions, loads, swaps) to run before the copies; see prefix_cache/tiers.py.
+    transfers: KVTransfers = KVTransfers()
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.transfers
 
     @property
     def num_batched_tokens(self) -> int:
@@ -63,9 +65,14 @@ class Scheduler:
     running sequences hold blocks covering their num_computed_tokens; waiting ones hold none.
     """
 
-    def __init__(self, limits: SchedulerLimits, blocks: BlockManager) -> None:
+    def __init__(
+        self, limits: SchedulerLimits, blocks: BlockManager, *, tiers: KVTiers | None = None,
+        preemption_mode: str = "recompute",
+    ) -> None:
         self.limits = limits
         self.blocks = blocks
+        self.tiers = tiers  # host / Redis tiers: loads at admission, swap at preemption
+        self.preemption_mode = preemption_mode
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
@@ -92,6 +99,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if self.blocks.has_seq(seq.seq_id):
             self.blocks.free(seq.seq_id)
+        if self.tiers is not None:
+            self.tiers.drop_swap(seq.seq_id)
         self.inflight.forget(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -101,6 +110,8 @@ class Scheduler:
     # -- the decision -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
+        if self.tiers is not None:
+            self.tiers.begin_step()
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
@@ -142,7 +153,8 @@ class Scheduler:
             copies.extend(new_copies)
             budget -= chunk.num_new_tokens
 
-        return SchedulerOutput(tuple(chunks), tuple(copies), tuple(preempted))
+        transfers = self.tiers.take_transfers() if self.tiers is not None else KVTransfers()
+        return SchedulerOutput(tuple(chunks), tuple(copies), tuple(preempted), transfers)
 
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
         return ScheduledChunk(seq, seq.num_computed_tokens, num_new, tuple(self.blocks.block_ids(seq.seq_id)))
@@ -168,15 +180,24 @@ class Scheduler:
                 pass
             victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq
-            self._preempt(victim)
+            # seq's own copy-on-write (if any) never runs: its swap must read the copy's source
+            self._preempt(victim, pending_copies=copies if victim is seq else ())
             preempted.append(victim)
             if victim is seq:
                 return None  # its copy (if any) went with its blocks
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, pending_copies=()) -> None:
         # Recompute mode: release the blocks (full ones stay cached, so resuming is mostly a
-        # prefix hit) and restart from token 0 when readmitted.
+        # prefix hit) and restart from token 0 when readmitted. Swap mode: first copy the blocks
+        # holding KV to host memory; readmission copies them back (falls back to recompute when
+        # the host tier has no room).
         self.running.remove(seq)
+        # At least the last token is recomputed on readmission: its logits pick the next token.
+        saved = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        if self.preemption_mode == "swap" and self.tiers is not None and saved > 0:
+            unwritten = {dst: src for src, dst in pending_copies}
+            table = self.blocks.block_ids(seq.seq_id)[: -(-saved // self.blocks.block_size)]
+            self.tiers.swap_out(seq.seq_id, [unwritten.get(b, b) for b in table], saved)
         self.blocks.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -187,6 +208,8 @@ class Scheduler:
         """(chunk, copies) if admitted; None if the pool is full; _DEFERRED if an in-flight
         prefill is computing this sequence's next prefix block (admit it as a hit later)."""
         first_admission = seq.num_preemptions == 0
+        if self.tiers is not None and self.tiers.swapped_tokens(seq.seq_id) is not None:
+            return self._swap_in(seq, budget)
         if seq.params.prompt_logprobs is not None and first_admission:
             # Prompt logprobs need the logits of every prompt position: no prefix reuse.
             hit = PrefixHit.empty(self.blocks.block_size)
@@ -194,15 +217,61 @@ class Scheduler:
             hit = self.blocks.match_prefix(seq.token_ids, cache_salt=seq.cache_salt)
             if self.inflight.should_defer(seq, hit):
                 return _DEFERRED
-        num_new = min(seq.num_tokens - hit.num_cached_tokens, budget)
+        alloc, cached = None, hit.num_cached_tokens
+        if self.tiers is not None and (seq.params.prompt_logprobs is None or not first_admission):
+            alloc, cached = self._admit_with_tier_hits(seq, hit, budget)
+        if alloc is None:
+            cached = hit.num_cached_tokens
+            num_new = min(seq.num_tokens - cached, budget)
+            alloc = self.blocks.allocate(
+                seq.seq_id, cached + num_new, hit=hit, cache_salt=seq.cache_salt, token_ids=seq.token_ids,
+            )
+            if alloc is None:
+                return None
+        seq.num_computed_tokens = cached
+        # With the device hit, not `cached`: blocks loaded from a tier count as in flight, so a twin
+        # admitted this step waits for this sequence's commit instead of loading them again.
+        self.inflight.admitted(seq, hit)
+        if first_admission:
+            seq.num_cached_tokens = cached
+        return self._chunk(seq, min(seq.num_tokens - cached, budget)), alloc.copies
+
+    def _admit_with_tier_hits(self, seq: Sequence, hit: PrefixHit, budget: int):
+        """(allocation, cached tokens) when the host / Redis tiers continue the device hit and the
+        sequence fits with them; (None, 0) otherwise (then admit with the device hit alone)."""
+        full = PrefixHit(hit.block_ids, None, 0, hit.block_size)
+        # Tier lookups (Redis round trips) only for a sequence that can be admitted at all.
+        need = self.blocks.num_blocks_needed(None, min(seq.num_tokens, full.num_cached_tokens + budget), hit=full)
+        if not self.blocks.can_allocate(need):
+            return None, 0
+        load = self.tiers.extend(seq.token_ids, seq.cache_salt, hit)
+        if load is None:
+            return None, 0
+        cached = load.num_cached_tokens
+        num_new = min(seq.num_tokens - cached, budget)
         alloc = self.blocks.allocate(
-            seq.seq_id, hit.num_cached_tokens + num_new, hit=hit,
-            cache_salt=seq.cache_salt, token_ids=seq.token_ids,
+            seq.seq_id, cached + num_new, hit=load.hit, cache_salt=seq.cache_salt, token_ids=seq.token_ids,
+        )
+        if alloc is None:
+            return None, 0
+        first = len(load.hit.block_ids)
+        self.tiers.commit_load(load, self.blocks.block_ids(seq.seq_id)[first:first + load.num_blocks])
+        return alloc, cached
+
+    def _swap_in(self, seq: Sequence, budget: int):
+        """Readmit a swapped-out sequence where it stopped: full blocks still cached on the device
+        are shared, the rest of its blocks are copied back from host memory."""
+        saved = self.tiers.swapped_tokens(seq.seq_id)
+        bs = self.blocks.block_size
+        device = self.blocks.match_prefix(seq.token_ids[: saved + 1], cache_salt=seq.cache_salt)
+        hit = PrefixHit(device.block_ids, None, 0, bs)
+        num_new = min(seq.num_tokens - saved, budget)
+        alloc = self.blocks.allocate(
+            seq.seq_id, saved + num_new, hit=hit, cache_salt=seq.cache_salt, token_ids=seq.token_ids,
         )
         if alloc is None:
             return None
-        seq.num_computed_tokens = hit.num_cached_tokens
+        self.tiers.swap_in(seq.seq_id, self.blocks.block_ids(seq.seq_id), len(hit.block_ids))
+        seq.num_computed_tokens = saved
         self.inflight.admitted(seq, hit)
-        if first_admission:
-            seq.num_cached_tokens = hit.num_cached_tokens
         return self._chunk(seq, num_new), alloc.copies

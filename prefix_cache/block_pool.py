@@ -19,13 +19,17 @@ Invariants (checked by ``check_integrity``):
 Eviction takes the least-recently-used evictable LEAF, so a block's parent is never evicted
 before its children.  ``evict(0)`` is safe.  Access times come from a counter, not a clock, so
 eviction order is deterministic.
+
+``on_evict`` (optional) is told about every evicted block -- ``on_evict(block_id, key, parent_key,
+token_ids, ns)`` -- while its KV is still intact in the device pool (nothing overwrites a block
+before the next forward), so a slower tier can demote it.  It must not call back into the pool.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .hashing import BlockKey
 from .radix import RadixIndex
@@ -61,6 +65,7 @@ class BlockPool:
         self._num_in_use = 0
         self.peak_in_use = 0
         self.num_evictions = 0
+        self.on_evict: Callable[[int, BlockKey, BlockKey | None, tuple[int, ...], bytes], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -179,9 +184,16 @@ class BlockPool:
             access, block_id = heapq.heappop(self._heap)
             if not self._entry_is_live(access, block_id):
                 continue
-            parent = self.index.remove(block_id)
+            index = self.index
+            if self.on_evict is not None:
+                parent = index.parent_of(block_id)
+                evicted = (block_id, index.key_of(block_id), None if parent is None else index.key_of(parent),
+                           index.tokens_of(block_id), index.ns_of(block_id))
+            parent = index.remove(block_id)
             self._num_evictable -= 1
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(*evicted)
             # The parent may just have become an evictable leaf.
             if parent is not None and self._ref[parent] == 0 and self.index.is_leaf(parent):
                 self._push(parent)

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .block_pool import BlockPool, NoFreeBlocksError
 from .hashing import BlockKey, block_key_encoded, encode_extra_keys
@@ -42,6 +43,23 @@ from .hashing import BlockKey, block_key_encoded, encode_extra_keys
 
 class StaleHitError(ValueError):
     """The PrefixHit passed to allocate no longer describes cached blocks (evicted meanwhile)."""
+
+
+class BlockListener(Protocol):
+    """Told when a full block enters or leaves the device cache (the slower KV tiers listen).
+
+    Both calls come while the block's KV is intact in the device pool; neither may call back into
+    the BlockManager.  ``parent_key`` is None for the first block of a sequence; ``ns`` is the
+    block's namespace (encoded extra keys, cache_salt included).
+    """
+
+    def block_cached(
+        self, block_id: int, key: BlockKey, parent_key: BlockKey | None, token_ids: tuple[int, ...], ns: bytes
+    ) -> None: ...
+
+    def block_evicted(
+        self, block_id: int, key: BlockKey, parent_key: BlockKey | None, token_ids: tuple[int, ...], ns: bytes
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -155,6 +173,16 @@ class BlockManager:
         self._protect_counts: Counter[int] = Counter()
         self._queries = 0
         self._hits = 0
+        self._listener: BlockListener | None = None
+
+    def set_listener(self, listener: BlockListener | None) -> None:
+        """Report newly cached and evicted full blocks to ``listener`` (see BlockListener)."""
+        self._listener = listener
+        self._pool.on_evict = listener.block_evicted if listener is not None else None
+
+    def namespace(self, cache_salt: str | None = None) -> bytes:
+        """The hash namespace of blocks cached with this salt (encoded extra keys)."""
+        return self._ns(cache_salt)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _ns(self, cache_salt: str | None) -> bytes:
@@ -385,6 +413,8 @@ class BlockManager:
                 if b in index:
                     raise ValueError(f"block {b} is already cached with other tokens; token_ids changed?")
                 pool.register(b, key, parent, chunk, st.ns)
+                if self._listener is not None:
+                    self._listener.block_cached(b, key, parent_key, tuple(chunk), st.ns)
             elif not index.confirm(existing, parent, chunk, st.ns):
                 # A real hash collision: never share it, never overwrite it; stop caching this seq.
                 st.chain_broken = True
