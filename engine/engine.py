@@ -163,26 +163,27 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if batch.is_empty:
-            if self.tiers is not None:
-                self.tiers.end_step(True)  # tier lookups may have pinned host slots
-            return []
-        ok, result = False, None
-        try:
-            result = self._run(batch)
-            ok = True
-        finally:  # the copy sources are protected only until this step's model run, failed or not
-            self.blocks.release_copy_sources()
-            if self.tiers is not None:
-                self.tiers.end_step(ok)
-        if result is None:  # tier moves only (demotions, swap-outs)
+        result = self._run(batch)
+        if result is None:  # nothing to run, or only KV moves between tiers
             return []
         outputs = self._postprocess(batch, result)
-        if self.tiers is not None:
-            self._write_through()
+        self._write_through()
         return outputs
 
     def _run(self, batch: SchedulerOutput) -> RunnerOutput | None:
+        ok = False
+        try:
+            result = self._execute(batch)
+            ok = True
+            return result
+        finally:  # copy sources and tier pins are held only until this step's run, failed or not
+            self.blocks.release_copy_sources()
+            if self.tiers is not None:
+                self.tiers.end_step(ok)
+
+    def _execute(self, batch: SchedulerOutput) -> RunnerOutput | None:
+        if batch.is_empty:
+            return None
         if not batch.chunks:
             self.tiers.record_step(0.0, 0, self.runner.apply_transfers(batch.transfers))
             return None
@@ -196,7 +197,7 @@ class Engine:
 
     def _write_through(self) -> None:
         """Blocks cached this step go to Redis: read their bytes now, while they are immutable."""
-        writes = self.tiers.take_writes()
+        writes = self.tiers.take_writes() if self.tiers is not None else None
         if writes:
             self.tiers.submit_writes(writes, self.runner.kv_mover.read_blocks([w.block_id for w in writes]))
 
