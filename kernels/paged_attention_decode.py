@@ -78,6 +78,8 @@ def paged_attention_decode_torch(
     mask per group of n sequences (n sized so the gathered K+V stay in cache on CPU; the whole
     batch at once elsewhere). GQA without repeating KV: the G query heads of a KV group act as G
     query positions against ``[n, Hkv, Kmax, D]`` keys. Computes in the input dtype.
+    On CPU, sequences that share prefix blocks (per group of rows with the same first block) read
+    the distinct blocks once instead (:func:`_decode_by_prefix_group`).
     """
     b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale)
     if b == 0:
@@ -95,36 +97,12 @@ def paged_attention_decode_torch(
         )
     lens = seq_lens.to(torch.int64)
     blocks = block_tables[:, :nblk].to(torch.int64)
+    q = query.reshape(b, hkv, g, d)  # the G heads of a group are G "query positions"
     if dev.type == "cpu" and lo > 0:
-        shared = _decode_shared_blocks(query.reshape(b, hkv, g, d), k_cache, v_cache, blocks, lens, bs, float(scale))
+        shared = _decode_by_prefix_group(q, k_cache, v_cache, blocks, lens, bs, float(scale))
         if shared is not None:
             return shared.reshape(b, hq, d)
-    slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).view(b, nblk * bs)[:, :hi]
-    valid = torch.arange(hi, device=dev).unsqueeze(0) < lens.unsqueeze(1)  # [B, Kmax]
-    if lo <= 0:  # empty rows: read any real slot, zero the output afterwards
-        empty = lens <= 0
-        valid[:, 0] |= empty
-        slots[:, 0] = torch.where(empty, 0, slots[:, 0])
-    # padding positions read the sequence's own first slot: real (finite) data, masked out.
-    slots = torch.where(valid, slots, slots[:, :1])
-
-    kf = k_cache.flatten(0, 1)  # [NB*BS, Hkv, D]: a view for the engine's contiguous caches
-    vf = v_cache.flatten(0, 1)
-    q = query.reshape(b, hkv, g, d)  # the G heads of a group are G "query positions"
-    scale = float(scale)
-    # Process the batch in chunks whose gathered K+V stay cache-resident (~1.5 MB): measured 2-3x
-    # faster on CPU than gathering the whole batch at once (which streams it through DRAM twice).
-    per_seq = hi * hkv * d * query.element_size() * 2
-    chunk = b if query.device.type != "cpu" else max(1, min(b, _CPU_CHUNK_BYTES // max(per_seq, 1)))
-    if chunk >= b:
-        out = _decode_chunk(q, kf, vf, slots, valid, hi, scale)
-    else:
-        out = query.new_empty((b, hkv, g, d))
-        for c0 in range(0, b, chunk):
-            c1 = min(b, c0 + chunk)
-            kmax = max(1, max(lens_host[c0:c1]))  # pad only to this chunk's longest sequence
-            out[c0:c1] = _decode_chunk(q[c0:c1], kf, vf, slots[c0:c1, :kmax], valid[c0:c1, :kmax], kmax, scale)
-    out = out.reshape(b, hq, d)
+    out = _decode_gather(q, k_cache, v_cache, blocks, lens, bs, float(scale)).reshape(b, hq, d)
     if lo <= 0:
         out = out.masked_fill((lens <= 0)[:, None, None], 0.0)
     return out
@@ -169,6 +147,116 @@ def _decode_shared_blocks(q, k_cache, v_cache, blocks, lens, bs, scale):
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(hkv, b * g, slots)
     out = torch.matmul(probs, v)  # [Hkv, B*G, D]
     return out.view(hkv, b, g, d).permute(1, 0, 2, 3)  # [B, Hkv, G, D]
+
+
+def _decode_by_prefix_group(q, k_cache, v_cache, blocks, lens, bs, scale):
+    """Cascade attention per group of sequences that start with the same block (one system
+    prompt, one document, one forked prompt): the group's common prefix is read and scored once
+    for all its queries, each sequence's own tail is gathered, and the two partial softmaxes are
+    merged by their log-sum-exp. Rows in no group go through the gather path. Returns None when
+    nothing is shared (the caller gathers all rows).
+
+        rows sorted by first block:  [g0 g0 g0 | g1 g1 | s | g2 g2 g2 g2]   (s: a singleton)
+        one row of a group:          [ common prefix: c full blocks | own tail: len - c*bs ]
+    """
+    whole = _decode_shared_blocks(q, k_cache, v_cache, blocks, lens, bs, scale)
+    if whole is not None:
+        return whole
+    heads, group_of, counts = torch.unique(blocks[:, 0], return_inverse=True, return_counts=True)
+    if int(counts.max()) < 2:
+        return None
+    out = q.new_empty(q.shape)  # [B, Hkv, G, D]
+    rest: list[torch.Tensor] = []
+    for gi in range(heads.numel()):
+        rows = (group_of == gi).nonzero(as_tuple=True)[0]
+        c = _common_full_blocks(blocks[rows], lens[rows], bs) if rows.numel() >= 2 else 0
+        if c == 0:
+            rest.append(rows)
+        else:
+            out[rows] = _decode_cascade(q[rows], k_cache, v_cache, blocks[rows], lens[rows], bs, scale, c)
+    if len(rest) == heads.numel():
+        return None
+    if rest:
+        rows = torch.cat(rest)
+        out[rows] = _decode_gather(q[rows], k_cache, v_cache, blocks[rows], lens[rows], bs, scale)
+    return out
+
+
+def _common_full_blocks(blocks, lens, bs) -> int:
+    """Leading block-table columns equal in every row and full (visible) in every row."""
+    limit = min(int(lens.min()) // bs, blocks.shape[1])
+    same = (blocks[:, :limit] == blocks[:1, :limit]).all(dim=0)  # [limit]
+    return limit if bool(same.all()) else int((~same).nonzero()[0])
+
+
+def _decode_cascade(q, k_cache, v_cache, blocks, lens, bs, scale, c):
+    """q [n, Hkv, G, D] of rows sharing their first c blocks -> [n, Hkv, G, D]."""
+    n, hkv, g, d = q.shape
+    sp = c * bs
+    # prefix: every query of the group against the shared slots, no mask needed.
+    kp = k_cache.index_select(0, blocks[0, :c]).reshape(sp, hkv, d).permute(1, 2, 0)  # [Hkv, D, Sp]
+    vp = v_cache.index_select(0, blocks[0, :c]).reshape(sp, hkv, d).transpose(0, 1)  # [Hkv, Sp, D]
+    qh = q.permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # [Hkv, n*G, D]
+    s_p = torch.matmul(qh, kp).float() * scale  # [Hkv, n*G, Sp]
+    m_p = s_p.amax(-1, keepdim=True)  # [Hkv, n*G, 1]
+    e_p = torch.exp(s_p - m_p)
+    l_p = e_p.sum(-1, keepdim=True)
+    o_p = torch.matmul(e_p.to(vp.dtype), vp).float()  # [Hkv, n*G, D]
+    # tail: each row's own positions [sp, len), padded to the longest tail and masked.
+    tails = lens - sp  # [n] >= 0
+    ks = int(tails.max())
+    if ks == 0:
+        out = o_p / l_p
+    else:
+        j = torch.arange(ks)
+        slots = blocks[:, c + j // bs] * bs + j % bs  # [n, Ks]
+        valid = j.unsqueeze(0) < tails.unsqueeze(1)  # [n, Ks]
+        slots = torch.where(valid, slots, slots[:, :1])
+        kt = k_cache.flatten(0, 1).index_select(0, slots.reshape(-1)).view(n, ks, hkv, d)
+        vt = v_cache.flatten(0, 1).index_select(0, slots.reshape(-1)).view(n, ks, hkv, d)
+        s_t = torch.matmul(q, kt.permute(0, 2, 3, 1)).float() * scale  # [n, Hkv, G, Ks]
+        s_t = s_t.masked_fill(~valid[:, None, None, :], float("-inf"))
+        m_t = s_t.amax(-1, keepdim=True)  # [n, Hkv, G, 1]; -inf for rows without a tail
+        e_t = torch.exp(s_t - torch.where(torch.isinf(m_t), 0.0, m_t))
+        l_t = e_t.sum(-1, keepdim=True)
+        o_t = torch.matmul(e_t.to(vt.dtype), vt.transpose(1, 2)).float()  # [n, Hkv, G, D]
+        # to the prefix layout [Hkv, n*G, *] and merge the two partial softmaxes
+        m_t, l_t, o_t = (x.permute(1, 0, 2, 3).reshape(hkv, n * g, -1) for x in (m_t, l_t, o_t))
+        m = torch.maximum(m_p, m_t)
+        a_p, a_t = torch.exp(m_p - m), torch.exp(m_t - m)
+        out = (o_p * a_p + o_t * a_t) / (l_p * a_p + l_t * a_t)
+    return out.to(q.dtype).view(hkv, n, g, d).permute(1, 0, 2, 3)
+
+
+def _decode_gather(q, k_cache, v_cache, blocks, lens, bs, scale):
+    """The general path: gather each sequence's K/V slots and run SDPA with a key-padding mask.
+    q [n, Hkv, G, D]; rows with lens <= 0 read a real slot and must be zeroed by the caller."""
+    lens_host = lens.tolist()
+    hi = max(1, max(lens_host))
+    n, hkv, _, d = q.shape
+    dev = q.device
+    nblk = cdiv(hi, bs)
+    slots = (blocks[:, :nblk].unsqueeze(-1) * bs + torch.arange(bs, device=dev)).view(n, nblk * bs)[:, :hi]
+    valid = torch.arange(hi, device=dev).unsqueeze(0) < lens.unsqueeze(1)  # [n, Kmax]
+    empty = lens <= 0  # empty rows: read any real slot (the caller zeroes their output)
+    valid[:, 0] |= empty
+    slots[:, 0] = torch.where(empty, 0, slots[:, 0])
+    # padding positions read the sequence's own first slot: real (finite) data, masked out.
+    slots = torch.where(valid, slots, slots[:, :1])
+    kf = k_cache.flatten(0, 1)  # [NB*BS, Hkv, D]: a view for the engine's contiguous caches
+    vf = v_cache.flatten(0, 1)
+    # Process the batch in chunks whose gathered K+V stay cache-resident (~1.5 MB): measured 2-3x
+    # faster on CPU than gathering the whole batch at once (which streams it through DRAM twice).
+    per_seq = hi * hkv * d * q.element_size() * 2
+    chunk = n if dev.type != "cpu" else max(1, min(n, _CPU_CHUNK_BYTES // max(per_seq, 1)))
+    if chunk >= n:
+        return _decode_chunk(q, kf, vf, slots, valid, hi, scale)
+    out = q.new_empty(q.shape)
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        kmax = max(1, max(lens_host[c0:c1]))  # pad only to this chunk's longest sequence
+        out[c0:c1] = _decode_chunk(q[c0:c1], kf, vf, slots[c0:c1, :kmax], valid[c0:c1, :kmax], kmax, scale)
+    return out
 
 
 _CPU_CHUNK_BYTES = 3 << 19  # 1.5 MiB of gathered K+V per SDPA call on CPU

@@ -202,3 +202,40 @@ def test_reference_reads_shared_blocks_once(dtype, g):
         v = v_cache.reshape(nb * bs, hkv, d)[slots]
         exp = naive_attention(query[s : s + 1], k, v, 0.3, [n - 1])
         torch.testing.assert_close(out[s : s + 1].double(), exp, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_groups_of_shared_prefixes(dtype):
+    """Several groups, each sharing its own prefix (G system prompts x Q questions), plus
+    unshared rows: the whole-batch distinct path does not pay, each group's does. Every row must
+    agree with naive attention over its own K/V."""
+    import kernels.paged_attention_decode as mod
+
+    bs, hkv, g, d, nb = 8, 2, 3, 16, 128
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn((nb, bs, hkv, d), generator=gen).to(dtype)
+    v_cache = torch.randn((nb, bs, hkv, d), generator=gen).to(dtype)
+    prefixes = [list(range(1, 9)), list(range(20, 28)), list(range(40, 48))]  # 64 tokens each
+    tables, lens, own = [], [], iter(range(60, 128))
+    for p in prefixes:
+        for q_len in (3, 8, 13, 16):  # mid-block, block-aligned, two own blocks
+            tables.append(p + [next(own) for _ in range(-(-q_len // bs))])
+            lens.append(64 + q_len)
+    tables.append(prefixes[0][:5])  # ends inside its group's prefix: the common part shrinks to 4 blocks
+    lens.append(37)
+    tables += [[next(own) for _ in range(3)], [next(own) for _ in range(2)]]  # unshared rows
+    lens += [19, 9]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn((len(tables), hkv * g, d), generator=gen).to(dtype)
+    q4, blocks = query.view(len(tables), hkv, g, d), bt.long()
+    assert mod._decode_shared_blocks(q4, k_cache, v_cache, blocks, seq_lens.long(), bs, 0.3) is None
+    assert mod._decode_by_prefix_group(q4, k_cache, v_cache, blocks, seq_lens.long(), bs, 0.3) is not None
+    out = paged_attention_decode_torch(query, k_cache, v_cache, bt, seq_lens, 0.3)
+    for s, (table, n) in enumerate(zip(tables, lens)):
+        slots = [table[p // bs] * bs + p % bs for p in range(n)]
+        k = k_cache.reshape(nb * bs, hkv, d)[slots]
+        v = v_cache.reshape(nb * bs, hkv, d)[slots]
+        exp = naive_attention(query[s : s + 1], k, v, 0.3, [n - 1])
+        torch.testing.assert_close(out[s : s + 1].double(), exp, **TOL[dtype])
