@@ -1,0 +1,434 @@
+"""The in-process backend: an engine in this process, no HTTP.
+
+Three ways in, one contract out (see _types.py):
+
+* `engine=AsyncEngine(...)`: the engine loop runs in its own thread; async calls consume
+  `AsyncEngine.generate` directly, sync calls through a helper thread with its own event loop.
+  Concurrent calls (`batch`, `abatch`, several agents) are batched by the engine.
+* `llm=LLM(...)`: the offline engine has no loop thread; callers drive `Engine.step()` themselves,
+  cooperatively (`_StepDriver`): whoever needs output steps the engine under a lock and hands every
+  request's output to its owner, so concurrent sync calls still share steps. Async calls run the
+  same driver in a helper thread.
+* `model="name-or-path"`: an AsyncEngine built on first use from `EngineConfig(model=...,
+  **engine_kwargs)`; a per-call `model=` naming another model builds (and keeps) another one.
+
+Prompts are rendered by the engine's tool layer (`ToolChat`): the model's chat template, tools
+described in its native format or in a system-prompt section, and a grammar constraint that makes a
+forced tool call always valid. `response_format` becomes `StructuredOutputsParams`.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+from engine import (
+    LLM,
+    AsyncEngine,
+    EngineConfig,
+    InvalidRequestError,
+    Logprob,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+    ToolChat,
+)
+from integrations.langchain._bridge import aiterate_in_thread, iterate_in_thread
+from integrations.langchain._types import (
+    CallOptions,
+    Choice,
+    Completion,
+    Delta,
+    StreamEnd,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from integrations.langchain.errors import EngineAPIError, EngineTimeoutError, from_engine_load_error
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+LARGE_PROMPT_CHARS = 64 * 1024  # rendering + tokenizing more than this leaves the event loop (as the server does)
+_PASSED_THROUGH = ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+
+
+# -- options -> engine request -------------------------------------------------------------------
+def structured_outputs(response_format: Any) -> StructuredOutputsParams | None:
+    """OpenAI's `response_format` as the engine's constraint (None for plain text)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, str)):
+            raise InvalidRequestError("response_format of type json_schema needs json_schema.schema, a JSON Schema "
+                                      "object.", param="response_format")
+        return StructuredOutputsParams(json=schema)
+    raise InvalidRequestError(
+        "response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}, got "
+        f"{response_format!r}.", param="response_format",
+    )
+
+
+def sampling_params(options: CallOptions) -> SamplingParams:
+    """The SamplingParams of one call; OpenAI defaults (max_tokens None: up to the context end)."""
+    values: dict[str, Any] = {"n": options.n, "stop": options.stop, "max_tokens": options.sampling.get("max_tokens")}
+    for name in _PASSED_THROUGH:
+        if name in options.sampling:
+            values[name] = options.sampling[name]
+    if options.logprobs:
+        values["logprobs"] = options.top_logprobs or 0
+    constraint = structured_outputs(options.response_format)
+    if constraint is not None:
+        values["structured_outputs"] = constraint
+    for key, value in options.extra.items():
+        if key not in _SAMPLING_FIELDS:
+            raise InvalidRequestError(f"{key!r} is not an option of the in-process engine (SamplingParams).",
+                                      param=key)
+        values[key] = value
+    return SamplingParams(**values)
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int,
+                  decode: Callable[[int], str]) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs.content`: per token its text, logprob, bytes and the top k alternatives."""
+    def text_of(token: int, lp: Logprob) -> str:
+        return lp.decoded_token if lp.decoded_token is not None else decode(token)
+
+    content = []
+    for token, entry in zip(token_ids, entries):
+        chosen = entry.get(token) or Logprob(float("nan"))
+        text = text_of(token, chosen)
+        ranked = sorted((item for item in entry.items() if item[1].rank is not None and item[1].rank <= k),
+                        key=lambda item: item[1].rank)[:k]
+        top = [{"token": text_of(t, lp), "logprob": lp.logprob, "bytes": list(text_of(t, lp).encode())}
+               for t, lp in ranked]
+        content.append({"token": text, "logprob": chosen.logprob, "bytes": list(text.encode()), "top_logprobs": top})
+    return content
+
+
+def _num_chars(messages: list[dict]) -> int:
+    return sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages)
+
+
+# -- runners: one engine each ---------------------------------------------------------------------
+class _Runner:
+    """One engine: its tool layer and its request outputs, sync and async."""
+
+    tool_chat: ToolChat
+
+    def decode(self, token: int) -> str:
+        return self.tool_chat.tokenizer.decode([token])
+
+    async def outputs(self, prompt: list[int], params: SamplingParams, cache_salt: str | None,
+                      deadline: float | None) -> AsyncIterator[RequestOutput]:
+        raise NotImplementedError
+
+    def iter_outputs(self, prompt: list[int], params: SamplingParams, cache_salt: str | None,
+                     deadline: float | None) -> Iterator[RequestOutput]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what this runner owns (an engine it built)."""
+
+
+class _AsyncEngineRunner(_Runner):
+    def __init__(self, engine: AsyncEngine, *, owned: bool) -> None:
+        self.engine = engine
+        self.owned = owned
+        self.tool_chat = ToolChat(engine.engine.get_tokenizer())
+
+    async def outputs(self, prompt, params, cache_salt, deadline):
+        stream = self.engine.generate({"prompt_token_ids": prompt}, params, cache_salt=cache_salt)
+        try:
+            while True:
+                try:
+                    if deadline is None:
+                        out = await stream.__anext__()
+                    else:  # a timed-out __anext__ is cancelled: the engine request is aborted
+                        out = await asyncio.wait_for(stream.__anext__(), max(deadline - time.monotonic(), 0.0))
+                except StopAsyncIteration:
+                    raise EngineAPIError("The engine aborted the request before it finished.") from None
+                except TimeoutError:
+                    raise EngineTimeoutError("The request timed out; it was aborted.") from None
+                yield out
+                if out.finished:
+                    return
+        finally:
+            await stream.aclose()
+
+    def iter_outputs(self, prompt, params, cache_salt, deadline):
+        return iterate_in_thread(lambda: self.outputs(prompt, params, cache_salt, deadline))
+
+    def close(self) -> None:
+        if self.owned and self.engine.is_running:
+            done = threading.Thread(target=lambda: asyncio.run(self.engine.shutdown()), daemon=True)
+            done.start()
+            done.join()
+
+
+class _StepDriver(_Runner):
+    """Drives an offline `LLM`'s Engine from the callers' own threads.
+
+    Invariant: `engine.step()` runs only under `_lock`, and every output it returns goes to the inbox
+    of the request that owns it (outputs of requests nobody waits for, e.g. the LLM's own, are
+    dropped: do not run `llm.generate` concurrently with this chat model).
+    """
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.tool_chat = ToolChat(llm.get_tokenizer())
+        self._lock = threading.Lock()
+        self._inboxes: dict[str, queue.SimpleQueue] = {}
+
+    def iter_outputs(self, prompt, params, cache_salt, deadline):
+        request_id = f"langchain-{uuid.uuid4().hex}"
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt)
+            self._inboxes[request_id] = inbox
+        finished = False
+        try:
+            while True:
+                try:
+                    item = inbox.get_nowait()
+                except queue.Empty:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise EngineTimeoutError("The request timed out; it was aborted.") from None
+                    self._step(inbox)
+                    continue
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._inboxes.pop(request_id, None)
+                if not finished:
+                    self.engine.abort(request_id)
+
+    def _step(self, inbox: queue.SimpleQueue) -> None:
+        with self._lock:
+            if not inbox.empty():  # another caller's step already brought our output
+                return
+            if not self.engine.has_unfinished():
+                inbox.put(EngineAPIError("The engine aborted the request before it finished."))
+                return
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # as AsyncEngine: the running requests fail, the engine goes on
+                for request_id in self.engine.abort_running():
+                    target = self._inboxes.get(request_id)
+                    if target is not None:
+                        error = EngineAPIError(f"The engine failed while running this request: {exc!r}")
+                        error.__cause__ = exc
+                        target.put(error)
+                return
+            for out in outputs:
+                target = self._inboxes.get(out.request_id)
+                if target is not None:
+                    target.put(out)
+
+    async def outputs(self, prompt, params, cache_salt, deadline):
+        source = aiterate_in_thread(lambda: self.iter_outputs(prompt, params, cache_salt, deadline))
+        try:
+            async for out in source:
+                yield out
+        finally:
+            await source.aclose()
+
+
+# -- the backend -----------------------------------------------------------------------------------
+class _Call:
+    """One call in flight: its prompt and params, and the conversion of its outputs."""
+
+    def __init__(self, runner: _Runner, model: str, messages: list[dict], options: CallOptions) -> None:
+        self.runner = runner
+        self.model = model
+        self.options = options
+        self.prepared = runner.tool_chat.prepare(messages, options.tools, options.tool_choice,
+                                                 options.parallel_tool_calls)
+        self.params = self.prepared.apply(sampling_params(options))
+        self.deadline = time.monotonic() + options.timeout if options.timeout else None
+        self.k = (options.top_logprobs or 0) if options.logprobs else None
+        # streaming state (n == 1)
+        self._parser = self.prepared.stream_parser()
+        self._text_len = 0
+        self._num_tokens = 0
+        self._num_calls = 0
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.prepared.prompt_token_ids
+
+    def usage(self, out: RequestOutput) -> Usage:
+        return Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+
+    def completion(self, out: RequestOutput | None) -> Completion:
+        if out is None or not out.finished:
+            raise EngineAPIError("The engine aborted the request before it finished.")
+        choices = []
+        for c in out.outputs:
+            if c.finish_reason == "abort":
+                raise EngineAPIError("The engine aborted the request before it finished.")
+            message = self.prepared.parse(c.text)
+            calls = tuple(ToolCall(call.id, call.name, call.arguments) for call in message.tool_calls)
+            logprobs = None
+            if self.k is not None:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self.k, self.runner.decode)
+            choices.append(Choice(c.index, message.content or "", message.finish_reason(c.finish_reason), calls,
+                                  logprobs))
+        return Completion(self.model, choices, self.usage(out), out.request_id)
+
+    def deltas(self, out: RequestOutput) -> Iterator[Delta | StreamEnd]:
+        """What `out` (a cumulative output of an n == 1 request) adds to the stream."""
+        c = out.outputs[0]
+        if c.finish_reason == "abort":
+            raise EngineAPIError("The engine aborted the request before it finished.")
+        text = c.text[self._text_len:] if len(c.text) > self._text_len else ""
+        self._text_len = max(self._text_len, len(c.text))
+        start, end = self._num_tokens, len(c.token_ids)
+        self._num_tokens = end
+        events = self._parser.feed(text)
+        if c.finish_reason is not None:
+            events += self._parser.finish()
+        logprobs = None
+        if self.k is not None and end > start and c.logprobs is not None:
+            logprobs = chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], self.k, self.runner.decode)
+        pieces = "".join(e for e in events if isinstance(e, str))
+        calls = []
+        for call in (e for e in events if not isinstance(e, str)):
+            calls.append(ToolCallDelta(self._num_calls, call.id, call.name, call.arguments))
+            self._num_calls += 1
+        if pieces or calls or logprobs:
+            yield Delta(pieces, tuple(calls), logprobs)
+        if out.finished:
+            reason = c.finish_reason
+            if self._num_calls and reason == "stop":
+                reason = "tool_calls"
+            yield StreamEnd(self.model, self.usage(out), reason, out.request_id)
+
+
+class InProcessBackend:
+    """Engines of this process, by model name (see the module docstring)."""
+
+    def __init__(self, *, model: str | None, llm: LLM | None, engine: AsyncEngine | None,
+                 engine_kwargs: dict[str, Any]) -> None:
+        self._model = model
+        self._llm = llm
+        self._engine = engine
+        self._engine_kwargs = dict(engine_kwargs)
+        self._runners: dict[str, _Runner] = {}
+        self._default: _Runner | None = None
+        self._lock = threading.Lock()
+
+    def default_model_name(self) -> str:
+        if self._model:
+            return self._model
+        source = self._engine.engine if self._engine is not None else self._llm.engine if self._llm else None
+        if source is not None:
+            return str(source.config.model)
+        return EngineConfig().model  # the default model
+
+    def _runner(self, model: str | None) -> tuple[str, _Runner]:
+        with self._lock:
+            if self._default is None:
+                self._default = self._build_default()
+            if not model or model == self.default_model_name():
+                return self.default_model_name(), self._default
+            if model not in self._runners:
+                self._runners[model] = self._build(model)
+            return model, self._runners[model]
+
+    def _build_default(self) -> _Runner:
+        if self._engine is not None:
+            runner: _Runner = _AsyncEngineRunner(self._engine, owned=False)
+        elif self._llm is not None:
+            runner = _StepDriver(self._llm)
+        else:
+            return self._build(self.default_model_name())
+        # The engine's own model (name or folder) addresses it too.
+        core = self._engine.engine if self._engine is not None else self._llm.engine
+        for alias in (str(core.config.model), str(core.model_path)):
+            self._runners.setdefault(alias, runner)
+        return runner
+
+    def _build(self, model: str) -> _Runner:
+        try:
+            engine = AsyncEngine.from_config(EngineConfig(**{**self._engine_kwargs, "model": model}))
+        except Exception as exc:
+            mapped = from_engine_load_error(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        engine.start()
+        return _AsyncEngineRunner(engine, owned=True)
+
+    def _call(self, messages: list[dict], options: CallOptions) -> _Call:
+        model, runner = self._runner(options.model)
+        return _Call(runner, model, messages, options)
+
+    async def _acall(self, messages: list[dict], options: CallOptions) -> _Call:
+        """_call off the event loop when building it (an engine on first use, or rendering and tokenizing
+        a large prompt) takes a while."""
+        model = options.model
+        builds = self._default is None or (model and model != self.default_model_name() and model not in self._runners)
+        if builds or _num_chars(messages) > LARGE_PROMPT_CHARS:
+            return await asyncio.to_thread(self._call, messages, options)
+        return self._call(messages, options)
+
+    # -- the backend contract ------------------------------------------------------------------
+    def complete(self, messages: list[dict], options: CallOptions) -> Completion:
+        call = self._call(messages, options)
+        last = None
+        for last in call.runner.iter_outputs(call.prompt, call.params, options.cache_salt, call.deadline):
+            pass
+        return call.completion(last)
+
+    async def acomplete(self, messages: list[dict], options: CallOptions) -> Completion:
+        call = await self._acall(messages, options)
+        last = None
+        async for last in call.runner.outputs(call.prompt, call.params, options.cache_salt, call.deadline):
+            pass
+        return call.completion(last)
+
+    def stream(self, messages: list[dict], options: CallOptions) -> Iterator[Delta | StreamEnd]:
+        call = self._call(messages, options)
+        outputs = call.runner.iter_outputs(call.prompt, call.params, options.cache_salt, call.deadline)
+        try:
+            for out in outputs:
+                yield from call.deltas(out)
+        finally:
+            outputs.close()
+
+    async def astream(self, messages: list[dict], options: CallOptions) -> AsyncIterator[Delta | StreamEnd]:
+        call = await self._acall(messages, options)
+        outputs = call.runner.outputs(call.prompt, call.params, options.cache_salt, call.deadline)
+        try:
+            async for out in outputs:
+                for event in call.deltas(out):
+                    yield event
+        finally:
+            await outputs.aclose()
+
+    def close(self) -> None:
+        """Shut down the engines this backend built (given ones belong to their owner)."""
+        with self._lock:
+            runners = {id(r): r for r in [*self._runners.values(), self._default] if r is not None}
+            self._runners.clear()
+            self._default = None
+        for runner in runners.values():
+            runner.close()
