@@ -21,7 +21,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tool_calls import ToolChat, ToolRequest
-from engine.structured_output import check_structured_outputs
+from engine.structured_output import check_structured_outputs, close_json_schema
 
 MAX_N = 128
 INT64 = (-(2**63), 2**63 - 1)
@@ -141,7 +141,10 @@ def _response_format(value: Any) -> StructuredOutputsParams | None:
         if not isinstance(schema, dict):
             raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema, a JSON Schema "
                               "object.", param="response_format")
-        return StructuredOutputsParams(json=schema)  # `strict` or not, the output always follows the schema
+        # The output always follows the schema; strict mode (as OpenAI's) also closes every object.
+        if json_schema.get("strict") is True:
+            schema = close_json_schema(schema)
+        return StructuredOutputsParams(json=schema)
     raise OpenAIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                       "{\"type\": \"json_schema\", \"json_schema\": {...}}.", param="response_format")
 

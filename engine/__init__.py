@@ -15,10 +15,11 @@ from engine.errors import (
 from engine.llm import LLM, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_output import close_json_schema
 from engine.tool_calls import ToolChat
 
 __all__ = [
     "AsyncEngine", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "ContextLengthExceededError", "Engine", "EngineConfig", "EngineDeadError",
     "InvalidConfigError", "InvalidRequestError", "LLM", "Logprob", "PrefixServeError", "RequestOutput",
-    "SamplingParams", "StructuredOutputsParams", "ToolChat",
+    "SamplingParams", "StructuredOutputsParams", "ToolChat", "close_json_schema",
 ]

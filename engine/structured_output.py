@@ -28,9 +28,10 @@ import json
 import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 import torch
@@ -243,3 +244,30 @@ class StructuredOutputManager:
 
             self._executor = llguidance.LLExecutor()
         return self._executor
+
+
+_OBJECT_SUBSCHEMAS = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+                      "unevaluatedProperties", "unevaluatedItems", "propertyNames")
+_LIST_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_json_schema(schema: Any) -> Any:
+    """`schema` with every object that lists properties but says nothing of additionalProperties (nor
+    patternProperties) closed, at any depth. Under a grammar an open object lets a small model append
+    invented keys until max_tokens cuts the JSON off; OpenAI's strict mode requires closed objects."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _OBJECT_SUBSCHEMAS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = close_json_schema(out[key])
+    for key in _LIST_SUBSCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_json_schema(s) for s in out[key]]
+    for key in _MAP_SUBSCHEMAS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: close_json_schema(s) for name, s in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out

@@ -50,6 +50,7 @@ import llguidance
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_output import close_json_schema
 
 TOOL_CHOICES = ("none", "auto", "required")
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -196,33 +197,8 @@ def _check_schema(schema: Mapping[str, Any], param: str) -> None:
 
 
 # -- the constraint --------------------------------------------------------------------------
-_OBJECT_SUBSCHEMAS = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
-                      "unevaluatedProperties", "unevaluatedItems", "propertyNames")
-_LIST_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_MAP_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def _closed(schema: Any) -> Any:
-    """`schema` with every object that lists properties but not additionalProperties closed."""
-    if not isinstance(schema, Mapping):
-        return schema
-    out = dict(schema)
-    for key in _OBJECT_SUBSCHEMAS:
-        if isinstance(out.get(key), Mapping):
-            out[key] = _closed(out[key])
-    for key in _LIST_SUBSCHEMAS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(s) for s in out[key]]
-    for key in _MAP_SUBSCHEMAS:
-        if isinstance(out.get(key), Mapping):
-            out[key] = {name: _closed(s) for name, s in out[key].items()}
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
 def _argument_schema(parameters: Mapping[str, Any]) -> dict[str, Any]:
-    schema = _closed(parameters)
+    schema = close_json_schema(parameters)
     schema.setdefault("x-guidance", JSON_STYLE)
     return schema
 

@@ -51,6 +51,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
+from engine import close_json_schema
 from integrations.langchain._types import PROVIDER, CallOptions, Completion, Delta, StreamEnd, Usage
 from integrations.langchain.errors import InvalidOptionError, from_engine_error, from_openai_error
 
@@ -60,11 +61,6 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "max_tokens", "seed", "top_k", "min_
 _ALIASES = {"max_tokens": ("max_completion_tokens",), "model": ("model_name",), "stop": ("stop_sequences",),
             "timeout": ("request_timeout",)}
 _REASONING_BLOCKS = frozenset({"thinking", "reasoning", "redacted_thinking"})
-# Where JSON Schema keeps sub-schemas: one, a list of them, or a map of names to them.
-_SUBSCHEMA_KEYS = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
-                   "unevaluatedProperties", "unevaluatedItems")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 class ChatPrefixServe(BaseChatModel):
@@ -394,32 +390,11 @@ def _response_format(schema: Any, strict: bool | None) -> dict[str, Any]:
     object lets a small model append invented keys until max_tokens cuts the JSON off."""
     json_schema = convert_to_json_schema(schema)
     if strict is not False:
-        json_schema = _closed(json_schema)
+        json_schema = close_json_schema(json_schema)
     spec: dict[str, Any] = {"name": json_schema.get("title") or "response", "schema": json_schema}
     if strict is not None:
         spec["strict"] = strict
     return {"type": "json_schema", "json_schema": spec}
-
-
-def _closed(schema: Any) -> Any:
-    """`schema` with every object that lists `properties` but says nothing of `additionalProperties`
-    (nor `patternProperties`) closed, at any depth ($defs included)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_KEYS:
-        if isinstance(out.get(key), dict):
-            out[key] = _closed(out[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(s) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(s) for name, s in out[key].items()}
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
-            and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _text_of(content: Any) -> Any:

@@ -258,3 +258,23 @@ def test_random_schemas_always_validate(llm, schema):
     for text, reason in _texts(llm, "JSON:", params):
         assert reason == "stop", f"did not finish: {text!r}"
         validate(json.loads(text), schema)
+
+
+def test_close_json_schema_closes_every_object_that_lists_properties():
+    from engine import close_json_schema
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                       "b": {"type": "array", "items": {"$ref": "#/$defs/item"}}},
+        "$defs": {"item": {"type": "object", "properties": {"y": {"type": "string"}}}},
+        "anyOf": [{"type": "object", "properties": {"z": {}}, "additionalProperties": True}],
+        "patternProperties": {"^p": {"type": "object", "properties": {}}},
+    }
+    closed = close_json_schema(schema)
+    assert "additionalProperties" not in closed  # patternProperties: left as the user wrote it
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["$defs"]["item"]["additionalProperties"] is False
+    assert closed["anyOf"][0]["additionalProperties"] is True  # an explicit choice is kept
+    assert closed["patternProperties"]["^p"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema["properties"]["a"]  # the input is not mutated
