@@ -46,7 +46,15 @@ def bar_plot(name: str, title: str, groups: list[str], series: dict[str, list[fl
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
+    return save_figure(fig, name)
+
+
+def save_figure(fig, name: str) -> Path:
+    """benchmarks/results/<name>.png; closes the figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)

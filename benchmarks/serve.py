@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import RESULTS, write_json  # noqa: E402
+from benchmarks._common import save_figure, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = ("river mountain library engine garden signal window orbit harbor lantern meadow circuit canyon "
@@ -51,13 +51,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
+def start_server(args, port: int, log_path: Path, extra_args: list[str] = (), threads: int | None = None
+                 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "app.cli", "--log-level", "WARNING", "serve", "--model", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
-           "--max-num-seqs", str(args.max_num_seqs), "--drain-timeout", "5"]
+           "--max-num-seqs", str(args.max_num_seqs), "--drain-timeout", "5", *extra_args]
     if args.num_kv_blocks:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if threads is not None:  # several servers on one machine: split the cores between them
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -88,12 +91,15 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def scrape_counters(base: str) -> dict[str, float]:
+COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "generation_tokens_total")
+
+
+def scrape_counters(base: str, names: tuple[str, ...] = COUNTERS) -> dict[str, float]:
     import httpx
 
     values = {}
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "generation_tokens_total"):
+        for name in names:
             if line.startswith(f"prefixserve:{name}"):
                 values[name] = float(line.split()[-1])
     return values
@@ -251,12 +257,7 @@ def line_plot(name: str, rates: list[float], results: dict[str, list[dict]]) -> 
         ax.set_title(f"{label} vs rate")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, name)
 
 
 def main() -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import subprocess
@@ -36,8 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import RESULTS, write_json  # noqa: E402
-from benchmarks.serve import free_port, pct, shared_prefix_requests, stop_server, stream_chat, wait_healthy  # noqa: E402
+from benchmarks._common import save_figure, write_json  # noqa: E402
+from benchmarks.serve import (  # noqa: E402
+    free_port, pct, scrape_counters, shared_prefix_requests, start_server, stop_server, stream_chat, wait_healthy,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -183,28 +184,16 @@ def block_bytes(model: str) -> int:
 
 # -- part 2: two replicas behind round-robin ---------------------------------------------------------
 def start_replica(args, port: int, log_path: Path, redis_url: str | None, key_prefix: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "app.cli", "--log-level", "WARNING", "serve", "--model", args.model,
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
-           "--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks", str(args.num_kv_blocks), "--drain-timeout", "5"]
-    if redis_url is not None:
-        cmd += ["--kv-redis-url", redis_url, "--kv-redis-key-prefix", key_prefix]
-    threads = str(args.threads_per_replica)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    extra = [] if redis_url is None else ["--kv-redis-url", redis_url, "--kv-redis-key-prefix", key_prefix]
+    return start_server(args, port, log_path, extra, threads=args.threads_per_replica)
+
+
+TIER_COUNTERS = ("kv_redis_hits_total", "kv_redis_writes_total", "kv_redis_failures_total",
+                 "prefix_cache_hits_total", "prefix_cache_queries_total")
 
 
 def scrape(base: str) -> dict[str, float]:
-    import httpx
-
-    values = {}
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        for name in ("kv_redis_hits_total", "kv_redis_writes_total", "kv_redis_failures_total",
-                     "prefix_cache_hits_total", "prefix_cache_queries_total"):
-            if line.startswith(f"prefixserve:{name}"):
-                values[name] = float(line.split()[-1])
-    return values
+    return scrape_counters(base, TIER_COUNTERS)
 
 
 async def round_robin(bases: list[str], args, seed: int) -> dict:
@@ -296,12 +285,7 @@ def plot(name: str, ttft: dict, multi: dict) -> Path:
     ax2.set_xticks([g + width / 2 for g in range(len(groups))], groups)
     ax2.set_title("Round-robin over 2 replicas, shared-prefix workload")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, name)
 
 
 def main() -> int:

@@ -174,6 +174,17 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
         paged_attention_decode_triton(**_valid_args())
 
 
+def _assert_rows_match_naive(out, query, k_cache, v_cache, tables, lens, dtype, scale=0.3):
+    """Each row of `out` equals naive attention of its query over its own table's first len slots."""
+    nb, bs, hkv, d = k_cache.shape
+    for s, (table, n) in enumerate(zip(tables, lens)):
+        slots = [table[p // bs] * bs + p % bs for p in range(n)]
+        k = k_cache.reshape(nb * bs, hkv, d)[slots]
+        v = v_cache.reshape(nb * bs, hkv, d)[slots]
+        exp = naive_attention(query[s : s + 1], k, v, scale, [n - 1])
+        torch.testing.assert_close(out[s : s + 1].double(), exp, **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("g", [1, 3])
 def test_reference_reads_shared_blocks_once(dtype, g):
@@ -196,12 +207,7 @@ def test_reference_reads_shared_blocks_once(dtype, g):
     assert mod._decode_shared_blocks(query.view(len(tables), hkv, g, d), k_cache, v_cache, blocks,
                                      seq_lens.long(), bs, 0.3) is not None  # the shared path is taken
     out = paged_attention_decode_torch(query, k_cache, v_cache, bt, seq_lens, 0.3)
-    for s, (table, n) in enumerate(zip(tables, lens)):
-        slots = [table[p // bs] * bs + p % bs for p in range(n)]
-        k = k_cache.reshape(nb * bs, hkv, d)[slots]
-        v = v_cache.reshape(nb * bs, hkv, d)[slots]
-        exp = naive_attention(query[s : s + 1], k, v, 0.3, [n - 1])
-        torch.testing.assert_close(out[s : s + 1].double(), exp, **TOL[dtype])
+    _assert_rows_match_naive(out, query, k_cache, v_cache, tables, lens, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -233,9 +239,4 @@ def test_reference_groups_of_shared_prefixes(dtype):
     assert mod._decode_shared_blocks(q4, k_cache, v_cache, blocks, seq_lens.long(), bs, 0.3) is None
     assert mod._decode_by_prefix_group(q4, k_cache, v_cache, blocks, seq_lens.long(), bs, 0.3) is not None
     out = paged_attention_decode_torch(query, k_cache, v_cache, bt, seq_lens, 0.3)
-    for s, (table, n) in enumerate(zip(tables, lens)):
-        slots = [table[p // bs] * bs + p % bs for p in range(n)]
-        k = k_cache.reshape(nb * bs, hkv, d)[slots]
-        v = v_cache.reshape(nb * bs, hkv, d)[slots]
-        exp = naive_attention(query[s : s + 1], k, v, 0.3, [n - 1])
-        torch.testing.assert_close(out[s : s + 1].double(), exp, **TOL[dtype])
+    _assert_rows_match_naive(out, query, k_cache, v_cache, tables, lens, dtype)
