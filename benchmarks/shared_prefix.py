@@ -85,24 +85,31 @@ def run_hf(path: str, prompts: list[list[int]], out_len: int, batch: int) -> dic
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99)}
 
 
-def single_ttft(path: str, s: int, ql: int, vocab: int) -> dict:
-    """Time to first token of a request whose S-token prefix is cached vs the same-size request cold."""
+def single_ttft(path: str, s: int, ql: int, vocab: int, trials: int = 3) -> dict:
+    """Time to first token of a request whose S-token prefix is cached vs the same-size request cold:
+    after one warm-up request, the median over `trials` fresh prefixes of (cold, then cached)."""
     from engine import LLM, SamplingParams
 
     rng = random.Random(1)
-    prefix = [rng.randrange(100, vocab) for _ in range(s)]
     one = SamplingParams(temperature=0, max_tokens=1)
     llm = LLM(model=path)
 
-    def timed() -> float:
-        prompt = prefix + [rng.randrange(100, vocab) for _ in range(ql)]
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    def timed(prompt: list[int]) -> float:
         t0 = time.perf_counter()
         llm.generate({"prompt_token_ids": prompt}, one, use_tqdm=False)
         return time.perf_counter() - t0
 
-    cold = timed()  # computes (and caches) the prefix
-    cached = timed()  # same prefix, new question
-    return {"cold_s": cold, "cached_s": cached, "speedup": cold / cached}
+    timed(tokens(ql))  # warm-up: first-call costs belong to neither side
+    cold, cached = [], []
+    for _ in range(trials):
+        prefix = tokens(s)
+        cold.append(timed(prefix + tokens(ql)))  # computes (and caches) the prefix
+        cached.append(timed(prefix + tokens(ql)))  # same prefix, new question
+    cold_s, cached_s = statistics.median(cold), statistics.median(cached)
+    return {"cold_s": cold_s, "cached_s": cached_s, "speedup": cold_s / cached_s, "trials": trials}
 
 
 def main() -> None:
