@@ -63,7 +63,7 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "Pass exactly one of prompt and messages.", param="prompt")
     if req.messages is not None:
-        ids = render_chat(tokenizer, chat_conversation(req.messages),
+        ids = render_chat(state.tool_chat, chat_conversation(req.messages),
                           add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
                           continue_final_message=False, template_kwargs=None, tools=parse_tool_request(req.tools))
     else:

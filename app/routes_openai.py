@@ -25,7 +25,7 @@ from app.serving import (
 )
 from app.state import ServerState
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.tool_calls import PreparedChat, ToolCall, ToolChat
+from engine.tool_calls import PreparedChat, ToolCall
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 LARGE_PROMPT_CHARS = 64 * 1024
@@ -167,7 +167,7 @@ async def create_chat_completion(request: Request) -> Response:
     params = sampling_params(req, max_tokens=max_tokens, logprobs=k, vocab_size=core.model_config.vocab_size)
     # The template with tools, tool calls and tool results, plus the tool-call grammar (engine/tool_calls.py).
     prepare = functools.partial(
-        ToolChat(core.tokenizer).prepare, conversation, req.tools, req.tool_choice, req.parallel_tool_calls,
+        state.tool_chat.prepare, conversation, req.tools, req.tool_choice, req.parallel_tool_calls,
         add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
         continue_final_message=bool(req.continue_final_message), chat_template_kwargs=req.chat_template_kwargs,
     )

@@ -204,11 +204,12 @@ def chat_conversation(messages: Sequence[ChatMessage]) -> list[dict]:
     return conversation
 
 
-def render_chat(tokenizer, conversation: list[dict], *, add_generation_prompt: bool, continue_final_message: bool,
-                template_kwargs: dict | None, tools: ToolRequest | None = None) -> list[int]:
+def render_chat(tool_chat: ToolChat, conversation: list[dict], *, add_generation_prompt: bool,
+                continue_final_message: bool, template_kwargs: dict | None, tools: ToolRequest | None = None
+                ) -> list[int]:
     """Apply the model's chat template (engine/tool_calls.py: tool calls, tool results and `tools` are
     rendered the way /v1/chat/completions renders them); token ids without extra special tokens."""
-    return ToolChat(tokenizer).render(conversation, tools, add_generation_prompt=add_generation_prompt,
+    return tool_chat.render(conversation, tools, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=template_kwargs)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from app.errors import OpenAIError
 from app.metrics import ServerMetrics
 from engine.async_engine import AsyncEngine
+from engine.tool_calls import ToolChat
 
 RETRY_AFTER_S = "1"
 
@@ -21,11 +22,18 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     load_error: str | None = None
+    # The engine's chat template with tool calling: built once (it probes the template), not per request.
+    tool_chat: ToolChat | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.engine is not None:
+            self.attach(self.engine)
 
     # -- readiness ------------------------------------------------------------------------
     def attach(self, engine: AsyncEngine) -> None:
         """The engine finished loading (serve() builds it after the port is open)."""
         self.engine = engine
+        self.tool_chat = ToolChat(engine.engine.tokenizer)
 
     @property
     def ready(self) -> bool:
