@@ -12,7 +12,7 @@ from engine.models.resolve import DEFAULT_MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_TIER_POLICIES = ("auto", "always")
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")

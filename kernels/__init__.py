@@ -1,8 +1,9 @@
 """prefixserve attention kernels: paged KV store, paged attention (decode / prefill), block copy.
 
 Each op has a Triton kernel (``<op>_triton``) and a torch reference with the same signature
-(``<op>_torch``); the references are the CPU production path. Pick a set with
-:func:`get_attention_ops`. See docs/CONTRACTS.md for the KV layout and op signatures.
+(``<op>_torch``). The CPU production set ("cpu") is the torch references plus a C kernel for
+decode attention (``paged_attention_decode_cpu``, built at first use; it falls back to the
+reference when no C compiler is present). Pick a set with :func:`get_attention_ops`. See docs/CONTRACTS.md for the KV layout and op signatures.
 
 This module stays light on purpose: it imports only torch, never triton, and never touches CUDA at
 import time. (Our top-level name ``kernels`` coincides with Hugging Face's unrelated ``kernels``
@@ -29,6 +30,7 @@ __all__ = [
     "paged_attention_prefill_triton",
     "copy_blocks_torch",
     "copy_blocks_triton",
+    "paged_attention_decode_cpu",
 ]
 
 _OPS = {
@@ -47,7 +49,7 @@ class AttentionOps:
     paged_attention_decode: Callable[..., torch.Tensor]
     paged_attention_prefill: Callable[..., torch.Tensor]
     copy_blocks: Callable[..., None]
-    name: str  # "triton" or "torch"
+    name: str  # "triton", "torch" or "cpu"
 
 
 def _load(op: str, backend: str) -> Callable[..., Any]:
@@ -56,6 +58,16 @@ def _load(op: str, backend: str) -> Callable[..., Any]:
 
 
 def _make(backend: str) -> AttentionOps:
+    if backend == "cpu":  # the torch references, with the C kernel for decode attention
+        from .paged_attention_cpu import paged_attention_decode_cpu
+
+        return AttentionOps(
+            store_kv=_load("store_kv", "torch"),
+            paged_attention_decode=paged_attention_decode_cpu,
+            paged_attention_prefill=_load("paged_attention_prefill", "torch"),
+            copy_blocks=_load("copy_blocks", "torch"),
+            name="cpu",
+        )
     return AttentionOps(
         store_kv=_load("store_kv", backend),
         paged_attention_decode=_load("paged_attention_decode", backend),
@@ -68,17 +80,25 @@ def _make(backend: str) -> AttentionOps:
 def get_attention_ops(backend: str = "auto", device: torch.device | str = "cpu") -> AttentionOps:
     """Return the ops for ``backend`` on ``device``.
 
-    * ``"auto"``: Triton on CUDA devices (when triton imports), the torch references elsewhere.
+    * ``"auto"``: Triton on CUDA devices (when triton imports), "cpu" on CPU, the torch
+      references elsewhere.
     * ``"triton"``: force Triton. On CPU this is only valid with ``TRITON_INTERPRET=1`` (tests).
     * ``"torch"``: force the torch references (any device).
+    * ``"cpu"``: the torch references with the C decode-attention kernel (CPU devices only).
     """
     from ._common import interpret_mode, require_triton, triton_available
 
-    if not isinstance(backend, str) or backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"unknown attention backend {backend!r}; expected 'auto', 'triton' or 'torch'")
+    if not isinstance(backend, str) or backend not in ("auto", "triton", "torch", "cpu"):
+        raise ValueError(f"unknown attention backend {backend!r}; expected 'auto', 'triton', 'torch' or 'cpu'")
     dev = torch.device(device)
     if backend == "auto":
-        backend = "triton" if dev.type == "cuda" and triton_available() else "torch"
+        if dev.type == "cpu":
+            backend = "cpu"
+        else:
+            backend = "triton" if dev.type == "cuda" and triton_available() else "torch"
+    elif backend == "cpu":
+        if dev.type != "cpu":
+            raise ValueError(f"backend='cpu' runs on CPU devices only, not {dev}; use 'auto'")
     elif backend == "triton":
         if dev.type == "cpu":
             if not interpret_mode():
@@ -93,6 +113,10 @@ def get_attention_ops(backend: str = "auto", device: torch.device | str = "cpu")
 
 
 def __getattr__(name: str) -> Any:  # lazy access to the per-op functions, e.g. kernels.store_kv_torch
+    if name == "paged_attention_decode_cpu":
+        from .paged_attention_cpu import paged_attention_decode_cpu
+
+        return paged_attention_decode_cpu
     for op in _OPS:
         for backend in ("torch", "triton"):
             if name == f"{op}_{backend}":

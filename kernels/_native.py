@@ -1,0 +1,121 @@
+"""Build and load the CPU C kernels (kernels/csrc/*.c) at first use, through ctypes.
+
+The shared library is compiled once per source, compiler and CPU (``-march=native``) into
+``$XDG_CACHE_HOME/prefixserve/kernels/<hash>/`` (``~/.cache`` by default) and reused after that;
+compiling takes about a second. Nothing here is needed for correctness: when no C compiler is
+found, the build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0`` is set, :func:`native_kernels`
+returns None and callers keep the torch path (a warning says why, once).
+
+Links against OpenMP by soname (``libgomp.so.1``): torch's own copy is already loaded in the
+process, so the dynamic linker binds to it and torch and these kernels share one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+FLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
+
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# q, k_cache, v_cache, block_tables, seq_lens, out; B, Hq, Hkv, D, BS, bt_stride; q_sb, q_sh;
+# k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_sb, o_sh; scale; nthreads
+DECODE_ARGTYPES = [_P] * 6 + [_I64] * 6 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """The loaded library's entry points and the limits it was built with."""
+
+    decode_f32: ctypes._CFuncPtr
+    decode_bf16: ctypes._CFuncPtr
+    max_group: int  # query heads per KV head
+    max_head_dim: int
+    max_block_size: int
+    path: Path
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "prefixserve" / "kernels"
+
+
+def _cpu_flags() -> str:
+    # -march=native code must never run on a different CPU: the flags are part of the cache key.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(),
+                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    target = _cache_root() / key / "libprefixserve_cpu.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent first uses never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load(path: Path) -> NativeKernels:
+    lib = ctypes.CDLL(str(path))
+    funcs = []
+    for name in ("ps_paged_decode_f32", "ps_paged_decode_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = DECODE_ARGTYPES, None
+        funcs.append(fn)
+    for name in ("ps_max_g", "ps_max_d", "ps_max_bs"):
+        getattr(lib, name).restype = ctypes.c_int64
+    return NativeKernels(*funcs, lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(), path)
+
+
+@functools.cache
+def native_kernels() -> NativeKernels | None:
+    """The CPU C kernels, built and loaded on first call; None when unavailable (see module doc)."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    if platform.system() != "Linux":
+        return None  # built and tested on Linux (gcc/clang with OpenMP) only
+    import torch  # noqa: F401  (loads torch's libgomp first, so ours binds to it)
+
+    cc = _compiler()
+    if cc is None:
+        logger.warning("no C compiler found: CPU decode attention uses the torch path (slower)")
+        return None
+    try:
+        return _load(_build(cc))
+    except (OSError, subprocess.CalledProcessError, AttributeError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("building the CPU C kernels failed, using the torch path (slower): %s", detail)
+        return None

@@ -1,0 +1,181 @@
+/* Paged decode attention on CPU: one new query token per sequence against its paged KV.
+ *
+ * The same contract as kernels/paged_attention_decode.py (see its module docstring): sequence b
+ * attends to positions 0 .. lens[b]-1; position p lives in block bt[b, p / BS] at offset p % BS.
+ * Query head h uses KV head h / G (G = Hq / Hkv).
+ *
+ * Why C: the torch path must gather every sequence's K/V into a dense copy before SDPA, and
+ * pays ~100 us of dispatch per small SDPA call; this reads each K/V row once, straight from the
+ * block it lives in, so a decode step is bound by memory bandwidth rather than by copies and
+ * dispatch. Built at first use by kernels/_native.py (gcc -O3 -march=native -fopenmp); the
+ * OpenMP runtime is torch's own (same soname, already loaded), so both share one thread pool.
+ *
+ * One work item = (sequence, KV head): its G query heads go through the blocks together with an
+ * online softmax (running max m, running sum l, unnormalised accumulator acc), in float32.
+ *
+ *     block j of sequence b:  rows t = 0 .. n-1 (n = BS, or what is left of lens[b])
+ *         s[g][t] = scale * q[g] . k[t]                    (scores of the block)
+ *         m' = max(m, max_t s[g][t]);  a = exp(m - m')     (rescale what came before)
+ *         acc[g] = a * acc[g] + sum_t exp(s[g][t] - m') v[t];   l = a * l + sum_t exp(...)
+ *     out[g] = acc[g] / l[g]
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PS_MAX_G 16
+#define PS_MAX_D 256
+#define PS_MAX_BS 128
+
+/* exp(x) for x <= 0 in float32, vectorizable (libm's expf is a call per element). Cody-Waite
+ * reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 Taylor/minimax polynomial: relative error
+ * ~2 ulp, far below the rounding of the scores themselves. Inputs below -87 flush to 0. */
+static inline float ps_exp(float x) {
+    if (x < -87.0f) x = -87.0f;
+    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+static inline void ps_load_f32(const float *src, float *dst, int64_t d) {
+    memcpy(dst, src, (size_t)d * sizeof(float));
+}
+
+static inline void ps_load_bf16(const uint16_t *src, float *dst, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) {
+        uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(&dst[i], &u, 4);
+    }
+}
+
+static inline void ps_store_f32(float *dst, float x) { *dst = x; }
+
+static inline void ps_store_bf16(uint16_t *dst, float x) { /* round to nearest even, NaN kept */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        *dst = (uint16_t)((u >> 16) | 0x40u);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *dst = (uint16_t)(u >> 16);
+}
+
+/* One work item, (sequence b, KV head h): q, kc, vc and out already point at head h's G query rows,
+ * KV column and output rows; bt_row is sequence b's block table. always_inline, so the callers
+ * below get copies specialised for the common head_dim / block_size (the loops then unroll). */
+#define PS_DEFINE_ITEM(NAME, T, LOAD, STORE)                                                          \
+    static inline __attribute__((always_inline)) void NAME(                                          \
+        const T *restrict q, const T *restrict kc, const T *restrict vc, const int32_t *restrict bt_row, \
+        const int64_t len, T *restrict out, const int64_t G, const int64_t D, const int64_t BS,      \
+        const int64_t q_sh, const int64_t k_sb, const int64_t k_ss, const int64_t v_sb,             \
+        const int64_t v_ss, const int64_t o_sh, const float scale) {                                 \
+        float qs[PS_MAX_G * PS_MAX_D], acc[PS_MAX_G * PS_MAX_D], row[PS_MAX_D];                      \
+        float s[PS_MAX_G * PS_MAX_BS], m[PS_MAX_G], l[PS_MAX_G];                                     \
+        for (int64_t g = 0; g < G; ++g) {                                                            \
+            LOAD(q + g * q_sh, qs + g * D, D);                                                       \
+            for (int64_t d = 0; d < D; ++d) qs[g * D + d] *= scale;                                  \
+            for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.0f;                                   \
+            m[g] = -INFINITY;                                                                        \
+            l[g] = 0.0f;                                                                             \
+        }                                                                                            \
+        const int64_t nblk = len > 0 ? (len + BS - 1) / BS : 0;                                      \
+        for (int64_t j = 0; j < nblk; ++j) {                                                         \
+            const int64_t blk = bt_row[j];                                                           \
+            const int64_t n = len - j * BS < BS ? len - j * BS : BS;                                 \
+            const T *kb = kc + blk * k_sb;                                                           \
+            const T *vb = vc + blk * v_sb;                                                           \
+            if (j + 1 < nblk) { /* the next block is elsewhere in the pool: fetch it while we work */ \
+                const T *kn = kc + (int64_t)bt_row[j + 1] * k_sb, *vn = vc + (int64_t)bt_row[j + 1] * v_sb; \
+                for (int64_t t = 0; t < BS; ++t)                                                     \
+                    for (int64_t c = 0; c < D * (int64_t)sizeof(T); c += 64) {                       \
+                        __builtin_prefetch((const char *)(kn + t * k_ss) + c);                      \
+                        __builtin_prefetch((const char *)(vn + t * v_ss) + c);                      \
+                    }                                                                                \
+            }                                                                                        \
+            for (int64_t t = 0; t < n; ++t) {                                                        \
+                LOAD(kb + t * k_ss, row, D);                                                         \
+                for (int64_t g = 0; g < G; ++g) {                                                    \
+                    const float *qg = qs + g * D;                                                    \
+                    float dot = 0.0f;                                                                \
+                    _Pragma("omp simd reduction(+:dot)")                                             \
+                    for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];                           \
+                    s[g * PS_MAX_BS + t] = dot;                                                      \
+                }                                                                                    \
+            }                                                                                        \
+            for (int64_t g = 0; g < G; ++g) {                                                        \
+                float *sg = s + g * PS_MAX_BS;                                                       \
+                float mx = m[g];                                                                     \
+                for (int64_t t = 0; t < n; ++t) mx = sg[t] > mx ? sg[t] : mx;                        \
+                const float alpha = ps_exp(m[g] - mx); /* m = -inf at first: exp -> 0 */             \
+                float sum = 0.0f;                                                                    \
+                _Pragma("omp simd reduction(+:sum)")                                                 \
+                for (int64_t t = 0; t < n; ++t) {                                                    \
+                    sg[t] = ps_exp(sg[t] - mx);                                                      \
+                    sum += sg[t];                                                                    \
+                }                                                                                    \
+                l[g] = l[g] * alpha + sum;                                                           \
+                m[g] = mx;                                                                           \
+                float *ag = acc + g * D;                                                             \
+                for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;                                      \
+            }                                                                                        \
+            for (int64_t t = 0; t < n; ++t) {                                                        \
+                LOAD(vb + t * v_ss, row, D);                                                         \
+                for (int64_t g = 0; g < G; ++g) {                                                    \
+                    const float p = s[g * PS_MAX_BS + t];                                            \
+                    float *ag = acc + g * D;                                                         \
+                    _Pragma("omp simd")                                                              \
+                    for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];                             \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int64_t g = 0; g < G; ++g) {                                                            \
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* len 0: a zero row */             \
+            for (int64_t d = 0; d < D; ++d) STORE(out + g * o_sh + d, acc[g * D + d] * inv);         \
+        }                                                                                            \
+    }
+
+/* The entry point: all (sequence, KV head) items over the OpenMP pool, dispatched to copies of
+ * the item specialised for head_dim 64 / 128 with block_size 16 (SmolLM2, Llama, Qwen2 defaults). */
+#define PS_DEFINE_DECODE(NAME, ITEM, T)                                                               \
+    void NAME(const T *q, const T *kc, const T *vc, const int32_t *bt, const int32_t *lens, T *out,  \
+              int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride,         \
+              int64_t q_sb, int64_t q_sh, int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb,   \
+              int64_t v_ss, int64_t v_sh, int64_t o_sb, int64_t o_sh, float scale, int nthreads) {  \
+        const int64_t G = Hq / Hkv;                                                                  \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                       \
+        for (int64_t w = 0; w < B * Hkv; ++w) {                                                      \
+            const int64_t b = w / Hkv, h = w % Hkv;                                                  \
+            const T *qw = q + b * q_sb + h * G * q_sh;                                               \
+            const T *kw = kc + h * k_sh, *vw = vc + h * v_sh;                                        \
+            const int32_t *btw = bt + b * bt_stride;                                                 \
+            T *ow = out + b * o_sb + h * G * o_sh;                                                   \
+            if (D == 64 && BS == 16)                                                                 \
+                ITEM(qw, kw, vw, btw, lens[b], ow, G, 64, 16, q_sh, k_sb, k_ss, v_sb, v_ss, o_sh, scale); \
+            else if (D == 128 && BS == 16)                                                           \
+                ITEM(qw, kw, vw, btw, lens[b], ow, G, 128, 16, q_sh, k_sb, k_ss, v_sb, v_ss, o_sh, scale); \
+            else                                                                                     \
+                ITEM(qw, kw, vw, btw, lens[b], ow, G, D, BS, q_sh, k_sb, k_ss, v_sb, v_ss, o_sh, scale); \
+        }                                                                                            \
+    }
+
+PS_DEFINE_ITEM(ps_item_f32, float, ps_load_f32, ps_store_f32)
+PS_DEFINE_ITEM(ps_item_bf16, uint16_t, ps_load_bf16, ps_store_bf16)
+PS_DEFINE_DECODE(ps_paged_decode_f32, ps_item_f32, float)
+PS_DEFINE_DECODE(ps_paged_decode_bf16, ps_item_bf16, uint16_t)
+
+/* Limits the launcher checks before calling (beyond them it uses the torch path). */
+int64_t ps_max_g(void) { return PS_MAX_G; }
+int64_t ps_max_d(void) { return PS_MAX_D; }
+int64_t ps_max_bs(void) { return PS_MAX_BS; }

@@ -1,0 +1,90 @@
+"""paged_attention_decode on CPU through the C kernel in csrc/paged_attention_cpu.c.
+
+    paged_attention_decode_cpu(query[B,Hq,D], k_cache, v_cache, block_tables[B,max_blocks],
+                               seq_lens[B], scale) -> out[B,Hq,D]
+
+The same signature and contract as :func:`kernels.paged_attention_decode_torch` (the reference);
+the launcher checks shapes, strides and block ids, then hands raw pointers to the C kernel.
+Anything the C kernel does not cover (float16, a group or head larger than it was built for,
+a batch whose sequences share prefix blocks, or no C compiler) goes to the torch reference, so
+this function is always safe to call.
+
+Why sharing goes to torch: the reference reads a shared prefix once for all its sequences
+(cascade attention); the C kernel reads each sequence's blocks, shared or not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import cdiv
+from ._native import NativeKernels, native_kernels
+from .paged_attention_decode import _validate, paged_attention_decode_torch
+
+_OP = "paged_attention_decode"
+
+
+def paged_attention_decode_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over the paged KV cache with the CPU C kernel (torch fallback)."""
+    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    native = native_kernels()
+    if native is None or not _supported(native, query, k_cache, v_cache, hq // hkv, d, bs):
+        return paged_attention_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    if b == 0:
+        return query.new_empty((0, hq, d))
+    lens = seq_lens.to(torch.int32).contiguous()
+    nblk = cdiv(max(int(lens.max()), 0), bs)
+    if nblk > block_tables.shape[1]:
+        raise ValueError(
+            f"{_OP}: seq_len {int(lens.max())} needs {nblk} blocks but block_tables has {block_tables.shape[1]} columns"
+        )
+    table = block_tables.to(torch.int32)
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    if nblk and _shares_prefix_blocks(table[:, 0], lens):
+        return paged_attention_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    _check_block_ids(table, lens, bs, nb)
+    q = query if query.stride(-1) == 1 else query.contiguous()
+    out = torch.empty((b, hq, d), dtype=query.dtype)
+    fn = native.decode_f32 if query.dtype == torch.float32 else native.decode_bf16
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
+       b, hq, hkv, d, bs, table.stride(0),
+       q.stride(0), q.stride(1),
+       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+       v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+       out.stride(0), out.stride(1),
+       float(scale), torch.get_num_threads())
+    return out
+
+
+def _supported(native: NativeKernels, query, k_cache, v_cache, group: int, d: int, bs: int) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        and group <= native.max_group and d <= native.max_head_dim and bs <= native.max_block_size
+    )
+
+
+def _shares_prefix_blocks(first_blocks: torch.Tensor, lens: torch.Tensor) -> bool:
+    """Two live sequences starting in the same block share a prefix (forks, beams, cache hits)."""
+    live = first_blocks[lens > 0]
+    return live.unique().numel() < live.numel()
+
+
+def _check_block_ids(table: torch.Tensor, lens: torch.Tensor, bs: int, nb: int) -> None:
+    # The C kernel trusts every block id it reads: check those (and only those) are in the pool.
+    nblk = cdiv(max(int(lens.max()), 0), bs)
+    if nblk == 0:
+        return
+    used = torch.arange(nblk).unsqueeze(0) * bs < lens.unsqueeze(1)  # [B, nblk]
+    ids = table[:, :nblk][used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
+        raise IndexError(f"{_OP}: block_tables holds block ids outside [0, {nb})")

@@ -1,0 +1,137 @@
+"""The CPU C kernel for decode attention against the torch reference and naive float64 attention.
+
+Poisoned caches (NaN in every slot past a sequence, padded block tables with a NaN block or -1)
+make any read past seq_len show up as NaN in the output.
+"""
+import shutil
+
+import pytest
+import torch
+from kernels_testlib import TOL, PagedKV, naive_attention
+
+import kernels
+from kernels import _native
+from kernels.paged_attention_cpu import paged_attention_decode_cpu
+from kernels.paged_attention_decode import paged_attention_decode_torch
+
+HKV = 2
+
+
+@pytest.fixture(scope="module")
+def native():
+    lib = _native.native_kernels()
+    if lib is None and _native._compiler() is not None:
+        pytest.fail("a C compiler is present but the CPU kernels did not build (see the warning log)")
+    if lib is None:
+        pytest.skip("no C compiler on this machine: the CPU backend falls back to the torch path")
+    return lib
+
+
+def _lens(bs):
+    return [1, bs - 1, bs, bs + 1, 2 * bs + 5, 0, 3 * bs + 7, 97]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g,d,bs", [(1, 64, 16), (3, 64, 16), (3, 128, 16), (4, 32, 8), (2, 80, 32), (8, 64, 16)])
+def test_cpu_kernel_matches_naive_and_reference(native, g, d, bs, dtype):
+    kv = PagedKV(_lens(bs), HKV, d, bs, dtype, seed=g + d + bs, num_layers=2)
+    query = torch.randn((len(kv.seq_lens), HKV * g, d), generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = d**-0.5
+    for layer in (0, 1):  # layer 1: cache views with a non-zero offset and the pool's strides
+        k_cache, v_cache = kv.caches(layer)
+        out = paged_attention_decode_cpu(query, k_cache, v_cache, kv.block_tables, kv.seq_lens_t, scale)
+        assert out.shape == query.shape and out.dtype == dtype
+        ref = paged_attention_decode_torch(query, k_cache, v_cache, kv.block_tables, kv.seq_lens_t, scale)
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+        for s, n in enumerate(kv.seq_lens):
+            if n == 0:
+                assert torch.all(out[s] == 0)
+                continue
+            exp = naive_attention(query[s : s + 1], kv.k[s][layer], kv.v[s][layer], scale, [n - 1])
+            torch.testing.assert_close(out[s : s + 1].double(), exp, **TOL[dtype])
+
+
+def test_int64_tables_and_strided_query(native):
+    kv = PagedKV([5, 40, 17], HKV, 64, 16, torch.float32, seed=3)
+    wide = torch.randn(3, HKV * 3, 128)
+    query = wide[:, :, :64]  # last dim contiguous, rows strided
+    args = (*kv.caches(), kv.block_tables.long(), kv.seq_lens_t.long(), 0.125)
+    torch.testing.assert_close(
+        paged_attention_decode_cpu(query, *args), paged_attention_decode_torch(query, *args), **TOL[torch.float32]
+    )
+
+
+def test_shared_prefix_batches_take_the_cascade_reference(native, monkeypatch):
+    """Sequences starting in the same block (forks, beams) read a shared prefix once in torch."""
+    kv = PagedKV([33, 20], HKV, 64, 16, torch.float32, seed=4)
+    kv.kv_cache.nan_to_num_(0.0)  # the reference's shared-block path reads whole blocks (finite in an engine)
+    tables = kv.block_tables.clone()
+    tables[1, :2] = tables[0, :2]  # both start with the same two blocks
+    query = torch.randn(2, HKV * 3, 64)
+    import kernels.paged_attention_cpu as mod
+
+    calls = []
+    monkeypatch.setattr(mod, "paged_attention_decode_torch", lambda *a: calls.append(a) or paged_attention_decode_torch(*a))
+    out = paged_attention_decode_cpu(query, *kv.caches(), tables, kv.seq_lens_t, 0.125)
+    assert len(calls) == 1
+    paged_attention_decode_cpu(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, 0.125)
+    assert len(calls) == 1  # distinct first blocks: the C kernel
+    ref = paged_attention_decode_torch(query, *kv.caches(), tables, kv.seq_lens_t, 0.125)
+    torch.testing.assert_close(out, ref)
+
+
+def test_float16_falls_back_to_reference(native):
+    kv = PagedKV([9, 30], HKV, 64, 16, torch.float16, seed=5)
+    kv.kv_cache.nan_to_num_(0.0)
+    query = torch.randn(2, HKV * 2, 64).half()
+    args = (*kv.caches(), kv.block_tables, kv.seq_lens_t, 0.125)
+    torch.testing.assert_close(paged_attention_decode_cpu(query, *args), paged_attention_decode_torch(query, *args))
+
+
+def test_bad_block_ids_raise_instead_of_reading_outside_the_pool(native):
+    kv = PagedKV([20, 9], HKV, 64, 16, torch.float32, seed=6)
+    tables = kv.block_tables.clone()
+    tables[0, 1] = kv.num_blocks + 7
+    query = torch.randn(2, HKV, 64)
+    with pytest.raises(IndexError, match="block ids outside"):
+        paged_attention_decode_cpu(query, *kv.caches(), tables, kv.seq_lens_t, 0.125)
+    too_long = torch.tensor([20, 16 * kv.max_blocks + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs"):
+        paged_attention_decode_cpu(query, *kv.caches(), kv.block_tables, too_long, 0.125)
+
+
+def test_auto_backend_on_cpu_is_the_cpu_set():
+    ops = kernels.get_attention_ops("auto", "cpu")
+    assert ops.name == "cpu" and ops.paged_attention_decode is paged_attention_decode_cpu
+    assert ops.paged_attention_prefill is kernels.paged_attention_prefill_torch
+    with pytest.raises(ValueError, match="CPU devices only"):
+        kernels.get_attention_ops("cpu", "meta")
+
+
+def test_switch_off_and_missing_compiler_mean_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv(_native.ENV_SWITCH, "0")
+    _native.native_kernels.cache_clear()
+    try:
+        assert _native.native_kernels() is None
+        monkeypatch.delenv(_native.ENV_SWITCH)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: a build is needed
+        monkeypatch.setattr(_native, "_compiler", lambda: None)
+        _native.native_kernels.cache_clear()
+        assert _native.native_kernels() is None
+        kv = PagedKV([9, 30], HKV, 64, 16, torch.float32, seed=7)
+        kv.kv_cache.nan_to_num_(0.0)
+        query = torch.randn(2, HKV * 2, 64)
+        args = (*kv.caches(), kv.block_tables, kv.seq_lens_t, 0.125)
+        torch.testing.assert_close(paged_attention_decode_cpu(query, *args), paged_attention_decode_torch(query, *args))
+    finally:
+        _native.native_kernels.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = _native._build(_native._compiler())
+    mtime = first.stat().st_mtime_ns
+    assert _native._build(_native._compiler()) == first and first.stat().st_mtime_ns == mtime
+    assert first.is_relative_to(tmp_path / "prefixserve" / "kernels")
+    assert [p.name for p in first.parent.iterdir()] == ["libprefixserve_cpu.so"]  # no temp files left
