@@ -6,6 +6,9 @@ compiling takes about a second. Nothing here is needed for correctness: when no 
 found, the build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0`` is set, :func:`native_kernels`
 returns None and callers keep the torch path (a warning says why, once).
 
+Two kernels live in csrc/paged_attention_cpu.c: paged decode attention (float32 / bfloat16) and a
+float32 linear for a few rows (decode of beams, samples and small batches).
+
 Links against OpenMP by soname (``libgomp.so.1``): torch's own copy is already loaded in the
 process, so the dynamic linker binds to it and torch and these kernels share one thread pool.
 """
@@ -27,13 +30,15 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
-FLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # q, k_cache, v_cache, block_tables, seq_lens, out; B, Hq, Hkv, D, BS, bt_stride; q_sb, q_sh;
 # k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_sb, o_sh; scale; nthreads
 DECODE_ARGTYPES = [_P] * 6 + [_I64] * 6 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
+# x, weight, bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
+LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class NativeKernels:
 
     decode_f32: ctypes._CFuncPtr
     decode_bf16: ctypes._CFuncPtr
+    linear_f32: ctypes._CFuncPtr
+    max_linear_rows: int
     max_group: int  # query heads per KV head
     max_head_dim: int
     max_block_size: int
@@ -95,9 +102,11 @@ def _load(path: Path) -> NativeKernels:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = DECODE_ARGTYPES, None
         funcs.append(fn)
-    for name in ("ps_max_g", "ps_max_d", "ps_max_bs"):
+    lib.ps_linear_f32.argtypes, lib.ps_linear_f32.restype = LINEAR_ARGTYPES, None
+    for name in ("ps_max_g", "ps_max_d", "ps_max_bs", "ps_linear_max_rows"):
         getattr(lib, name).restype = ctypes.c_int64
-    return NativeKernels(*funcs, lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(), path)
+    return NativeKernels(*funcs, lib.ps_linear_f32, lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(),
+                         lib.ps_max_bs(), path)
 
 
 @functools.cache
@@ -111,7 +120,7 @@ def native_kernels() -> NativeKernels | None:
 
     cc = _compiler()
     if cc is None:
-        logger.warning("no C compiler found: CPU decode attention uses the torch path (slower)")
+        logger.warning("no C compiler found: CPU decode attention and small linears use the torch path (slower)")
         return None
     try:
         return _load(_build(cc))

@@ -5,12 +5,13 @@
 
 The same signature and contract as :func:`kernels.paged_attention_decode_torch` (the reference);
 the launcher checks shapes, strides and block ids, then hands raw pointers to the C kernel.
-Anything the C kernel does not cover (float16, a group or head larger than it was built for,
-a batch whose sequences share prefix blocks, or no C compiler) goes to the torch reference, so
-this function is always safe to call.
+Anything the C kernel does not cover (float16, a group or head larger than it was built for, or
+no C compiler) goes to the torch reference, so this function is always safe to call.
 
-Why sharing goes to torch: the reference reads a shared prefix once for all its sequences
-(cascade attention); the C kernel reads each sequence's blocks, shared or not.
+Shared prefixes (forks, beams, cache hits) go through the C kernel too: it reads a shared block
+once per sequence, but from cache, and measured faster than the reference's cascade path (which
+reads it once for all) at every size tried: 0.33 vs 0.77 ms per layer for 4 beams over 532
+tokens, 2.5 vs 6.5 ms for 16 sequences over a shared 1,024-token prefix, 9.0 vs 14.2 ms for 64.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ def paged_attention_decode_cpu(
     table = block_tables.to(torch.int32)
     if table.stride(-1) != 1:
         table = table.contiguous()
-    if nblk and _shares_prefix_blocks(table[:, 0], lens):
-        return paged_attention_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale)
     _check_block_ids(table, lens, bs, nb)
     q = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty((b, hq, d), dtype=query.dtype)
@@ -71,12 +70,6 @@ def _supported(native: NativeKernels, query, k_cache, v_cache, group: int, d: in
         and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         and group <= native.max_group and d <= native.max_head_dim and bs <= native.max_block_size
     )
-
-
-def _shares_prefix_blocks(first_blocks: torch.Tensor, lens: torch.Tensor) -> bool:
-    """Two live sequences starting in the same block share a prefix (forks, beams, cache hits)."""
-    live = first_blocks[lens > 0]
-    return live.unique().numel() < live.numel()
 
 
 def _check_block_ids(table: torch.Tensor, lens: torch.Tensor, bs: int, nb: int) -> None:

@@ -1,11 +1,14 @@
-"""Linear: nn.Linear whose small-batch float32 GEMMs on CPU take the faster of two equal forms.
+"""Linear: nn.Linear whose small-batch float32 GEMMs on CPU go through a C kernel.
 
-For a few rows (decode of a handful of sequences: beams, n>1 samples, small batches), the CPU BLAS
-behind F.linear(x, W) is slow on float32: measured on this project's 2-core AVX-512 machine over
-SmolLM2's 30 layers of weights (cache-cold, as in a real step), W @ x^T was 2-3.7x faster for 2-5
-rows and 1.1-1.3x for 6-10; equal for 1 row, mixed beyond 10, and slower for bfloat16 at every
-size up to 16. Same products, same sums (one GEMM either way): the results agree to float32
-rounding. The weights stay as loaded ([out, in]), so checkpoints load by name unchanged.
+Decoding a handful of sequences (beams, n>1 samples, small batches) is bound by reading the weights
+once per step, but the CPU BLAS behind F.linear is erratic at 2-16 rows: measured over SmolLM2's
+30 layers of weights on this project's 2-core machine, 57/68/114 ms per step at 4/8/16 rows where
+the weight read alone takes ~25 ms. `kernels.linear_cpu` reads each weight row once for all rows
+(33/35/52 ms). Same products, same sums in another order: the results agree to float32 rounding.
+
+Without a C compiler the earlier fallback stays: W @ x^T for 2-10 rows, which measured faster than
+F.linear there on the machine it was tuned on. The weights stay as loaded ([out, in]), so
+checkpoints load by name unchanged.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Row counts for which W @ x^T is used (float32 on CPU); see the module docstring.
+from kernels.linear_cpu import covers, linear_cpu
+
+# Row counts for which W @ x^T is used (float32 on CPU) when the C kernel is unavailable.
 WEIGHT_MAJOR_ROWS = range(2, 11)
 
 
@@ -26,6 +31,8 @@ def use_weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, in] -> [M, out]
+        if covers(x, self.weight):
+            return linear_cpu(x, self.weight, self.bias)
         if not use_weight_major(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         out = torch.mm(self.weight, x.t()).t().contiguous()  # [out, M] -> [M, out]

@@ -26,3 +26,30 @@ def test_weight_major_form_only_for_small_float32_cpu_batches():
     assert not use_weight_major(torch.empty(max(WEIGHT_MAJOR_ROWS) + 1, 4), w32)
     assert not use_weight_major(torch.empty(4, 4, dtype=torch.bfloat16), w16)  # measured slower in bf16
     assert not use_weight_major(torch.empty(2, 3, 4), w32)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows,k,n", [(2, 576, 960), (5, 96, 161), (8, 1536, 576), (9, 37, 64), (16, 576, 3072), (3, 15, 7)])
+def test_c_linear_matches_f_linear(rows, k, n, bias):
+    """The C kernel (2-16 rows, float32): every K tail (K % 16), odd N, the second 8-row pass."""
+    from kernels._native import native_kernels
+    from kernels.linear_cpu import covers, linear_cpu
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler: Linear keeps the torch forms")
+    torch.manual_seed(rows * k)
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    b = torch.randn(n) if bias else None
+    assert covers(x, w)
+    torch.testing.assert_close(linear_cpu(x, w, b), F.linear(x, w, b), atol=1e-4 * k**0.5, rtol=1e-5)
+    strided = torch.randn(rows, 2 * k)[:, ::2]  # a non-contiguous input row is copied, not misread
+    torch.testing.assert_close(linear_cpu(strided, w, b), F.linear(strided, w, b), atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+def test_c_linear_covers_only_small_float32_cpu_batches():
+    from kernels.linear_cpu import covers
+
+    w = torch.empty(8, 4)
+    assert not covers(torch.empty(1, 4), w) and not covers(torch.empty(17, 4), w)
+    assert not covers(torch.empty(4, 4, dtype=torch.bfloat16), w.bfloat16())
+    assert not covers(torch.empty(4, 4), torch.empty(4, 8).t())  # a transposed weight

@@ -1,0 +1,45 @@
+"""Small-batch float32 linear on CPU through the C kernel in csrc/paged_attention_cpu.c.
+
+    linear_cpu(x[M, K], weight[N, K], bias[N] | None) -> out[M, N]      (the signature of F.linear)
+
+The torch reference is ``torch.nn.functional.linear``; this computes the same products and sums in
+another order (float32 rounding apart, the same result). It covers float32 CPU tensors with
+1 < M <= ``max_linear_rows`` (16) rows, a row-major weight and a contiguous input row; anything
+else, or no C compiler, goes to F.linear, so it is always safe to call. See the C file for why.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._native import native_kernels
+
+
+def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when :func:`linear_cpu` runs the C kernel for these operands (cheap: no build on False)."""
+    if not (x.dim() == 2 and 1 < x.shape[0] <= 16 and x.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()):
+        return False
+    native = native_kernels()
+    return native is not None and x.shape[0] <= native.max_linear_rows
+
+
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not covers(x, weight):
+        return F.linear(x, weight, bias)
+    m, k = x.shape
+    n, kw = weight.shape
+    if kw != k:
+        raise ValueError(f"linear_cpu: x has {k} features but weight expects {kw}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
+        raise ValueError(f"linear_cpu: bias must be float32 of shape ({n},), got {tuple(bias.shape)} {bias.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    b = None if bias is None else bias.contiguous()
+    out = torch.empty((m, n), dtype=torch.float32)
+    native_kernels().linear_f32(
+        x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
+        m, n, k, x.stride(0), out.stride(0), torch.get_num_threads(),
+    )
+    return out
