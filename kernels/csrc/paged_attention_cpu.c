@@ -31,8 +31,8 @@
  * reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 Taylor/minimax polynomial: relative error
  * ~2 ulp, far below the rounding of the scores themselves. Inputs below -87 flush to 0. */
 static inline float ps_exp(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693145751953125f;
     r = r - n * 1.428606765330187045e-06f;
     float p = 1.0f / 720.0f;
@@ -42,14 +42,12 @@ static inline float ps_exp(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, 4);
-    return p * scale;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 }; /* 2^n */
+    return p * scale.f;
 }
 
-static inline void ps_load_f32(const float *src, float *dst, int64_t d) {
-    memcpy(dst, src, (size_t)d * sizeof(float));
+static inline void ps_load_f32(const float *restrict src, float *restrict dst, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) dst[i] = src[i]; /* not memcpy: a loop inlines and unrolls */
 }
 
 static inline void ps_load_bf16(const uint16_t *src, float *dst, int64_t d) {
