@@ -34,9 +34,9 @@ FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-# q, k_cache, v_cache, block_tables, seq_lens, out; B, Hq, Hkv, D, BS, bt_stride; q_sb, q_sh;
-# k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_sb, o_sh; scale; nthreads
-DECODE_ARGTYPES = [_P] * 6 + [_I64] * 6 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
+# q, k_cache, v_cache, block_tables, seq_lens, out; B, Hq, Hkv, D, BS, bt_stride, num_blocks;
+# q_sb, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_sb, o_sh; scale; nthreads -> 1 on a bad block id
+DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
 # x, weight, bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
 LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
 
@@ -100,7 +100,7 @@ def _load(path: Path) -> NativeKernels:
     funcs = []
     for name in ("ps_paged_decode_f32", "ps_paged_decode_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = DECODE_ARGTYPES, None
+        fn.argtypes, fn.restype = DECODE_ARGTYPES, ctypes.c_int64
         funcs.append(fn)
     lib.ps_linear_f32.argtypes, lib.ps_linear_f32.restype = LINEAR_ARGTYPES, None
     for name in ("ps_max_g", "ps_max_d", "ps_max_bs", "ps_linear_max_rows"):

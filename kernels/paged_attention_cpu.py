@@ -4,7 +4,8 @@
                                seq_lens[B], scale) -> out[B,Hq,D]
 
 The same signature and contract as :func:`kernels.paged_attention_decode_torch` (the reference);
-the launcher checks shapes, strides and block ids, then hands raw pointers to the C kernel.
+the launcher checks shapes and strides and hands raw pointers to the C kernel, which checks the
+block ids it will read before reading any.
 Anything the C kernel does not cover (float16, a group or head larger than it was built for, or
 no C compiler) goes to the torch reference, so this function is always safe to call.
 
@@ -41,25 +42,27 @@ def paged_attention_decode_cpu(
     if b == 0:
         return query.new_empty((0, hq, d))
     lens = seq_lens.to(torch.int32).contiguous()
-    nblk = cdiv(max(int(lens.max()), 0), bs)
-    if nblk > block_tables.shape[1]:
+    longest = int(lens.max())
+    if cdiv(max(longest, 0), bs) > block_tables.shape[1]:
         raise ValueError(
-            f"{_OP}: seq_len {int(lens.max())} needs {nblk} blocks but block_tables has {block_tables.shape[1]} columns"
+            f"{_OP}: seq_len {longest} needs {cdiv(longest, bs)} blocks but block_tables has "
+            f"{block_tables.shape[1]} columns"
         )
     table = block_tables.to(torch.int32)
     if table.stride(-1) != 1:
         table = table.contiguous()
-    _check_block_ids(table, lens, bs, nb)
     q = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty((b, hq, d), dtype=query.dtype)
     fn = native.decode_f32 if query.dtype == torch.float32 else native.decode_bf16
-    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
-       b, hq, hkv, d, bs, table.stride(0),
-       q.stride(0), q.stride(1),
-       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-       v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-       out.stride(0), out.stride(1),
-       float(scale), torch.get_num_threads())
+    bad = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
+             b, hq, hkv, d, bs, table.stride(0), nb,
+             q.stride(0), q.stride(1),
+             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+             out.stride(0), out.stride(1),
+             float(scale), torch.get_num_threads())
+    if bad:  # the kernel checks every block id it would read before reading any
+        raise IndexError(f"{_OP}: block_tables holds block ids outside [0, {nb})")
     return out
 
 
@@ -70,14 +73,3 @@ def _supported(native: NativeKernels, query, k_cache, v_cache, group: int, d: in
         and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         and group <= native.max_group and d <= native.max_head_dim and bs <= native.max_block_size
     )
-
-
-def _check_block_ids(table: torch.Tensor, lens: torch.Tensor, bs: int, nb: int) -> None:
-    # The C kernel trusts every block id it reads: check those (and only those) are in the pool.
-    nblk = cdiv(max(int(lens.max()), 0), bs)
-    if nblk == 0:
-        return
-    used = torch.arange(nblk).unsqueeze(0) * bs < lens.unsqueeze(1)  # [B, nblk]
-    ids = table[:, :nblk][used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
-        raise IndexError(f"{_OP}: block_tables holds block ids outside [0, {nb})")

@@ -144,13 +144,27 @@ static inline void ps_store_bf16(uint16_t *dst, float x) { /* round to nearest e
         }                                                                                            \
     }
 
-/* The entry point: all (sequence, KV head) items over the OpenMP pool, dispatched to copies of
+/* The kernel trusts every block id it reads: check those (and only those, the ones covering
+ * [0, lens[b])) are in the pool [0, NB) before any is read. One serial pass over B x blocks ids. */
+static int ps_bad_block_ids(const int32_t *bt, const int32_t *lens, int64_t B, int64_t BS, int64_t bt_stride,
+                            int64_t NB) {
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t nblk = lens[b] > 0 ? (lens[b] + BS - 1) / BS : 0;
+        for (int64_t j = 0; j < nblk; ++j)
+            if (bt[b * bt_stride + j] < 0 || bt[b * bt_stride + j] >= NB) return 1;
+    }
+    return 0;
+}
+
+/* The entry point (returns 1, computing nothing, when a block id is outside the pool): all (sequence, KV head) items over the OpenMP pool, dispatched to copies of
  * the item specialised for head_dim 64 / 128 with block_size 16 (SmolLM2, Llama, Qwen2 defaults). */
 #define PS_DEFINE_DECODE(NAME, ITEM, T)                                                               \
-    void NAME(const T *q, const T *kc, const T *vc, const int32_t *bt, const int32_t *lens, T *out,  \
-              int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride,         \
-              int64_t q_sb, int64_t q_sh, int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb,   \
-              int64_t v_ss, int64_t v_sh, int64_t o_sb, int64_t o_sh, float scale, int nthreads) {  \
+    int64_t NAME(const T *q, const T *kc, const T *vc, const int32_t *bt, const int32_t *lens, T *out, \
+                 int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride,      \
+                 int64_t NB, int64_t q_sb, int64_t q_sh, int64_t k_sb, int64_t k_ss, int64_t k_sh,  \
+                 int64_t v_sb, int64_t v_ss, int64_t v_sh, int64_t o_sb, int64_t o_sh, float scale, \
+                 int nthreads) {                                                                     \
+        if (ps_bad_block_ids(bt, lens, B, BS, bt_stride, NB)) return 1; /* nothing computed */     \
         const int64_t G = Hq / Hkv;                                                                  \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                       \
         for (int64_t w = 0; w < B * Hkv; ++w) {                                                      \
@@ -166,6 +180,7 @@ static inline void ps_store_bf16(uint16_t *dst, float x) { /* round to nearest e
             else                                                                                     \
                 ITEM(qw, kw, vw, btw, lens[b], ow, G, D, BS, q_sh, k_sb, k_ss, v_sb, v_ss, o_sh, scale); \
         }                                                                                            \
+        return 0;                                                                                    \
     }
 
 PS_DEFINE_ITEM(ps_item_f32, float, ps_load_f32, ps_store_f32)
