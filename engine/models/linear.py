@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear_cpu import covers, linear_cpu
+from kernels.linear_cpu import covers, linear_covered
 
 # Row counts for which W @ x^T is used (float32 on CPU) when the C kernel is unavailable.
 WEIGHT_MAJOR_ROWS = range(2, 11)
@@ -32,7 +32,7 @@ def use_weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, in] -> [M, out]
         if covers(x, self.weight):
-            return linear_cpu(x, self.weight, self.bias)
+            return linear_covered(x, self.weight, self.bias)
         if not use_weight_major(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         out = torch.mm(self.weight, x.t()).t().contiguous()  # [out, M] -> [M, out]

@@ -47,7 +47,7 @@ static inline float ps_exp(float x) {
 }
 
 static inline void ps_load_f32(const float *restrict src, float *restrict dst, int64_t d) {
-    for (int64_t i = 0; i < d; ++i) dst[i] = src[i]; /* not memcpy: a loop inlines and unrolls */
+    for (int64_t i = 0; i < d; ++i) dst[i] = src[i];
 }
 
 static inline void ps_load_bf16(const uint16_t *src, float *dst, int64_t d) {
