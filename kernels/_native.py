@@ -6,8 +6,10 @@ compiling takes about a second. Nothing here is needed for correctness: when no 
 found, the build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0`` is set, :func:`native_kernels`
 returns None and callers keep the torch path (a warning says why, once).
 
-Two kernels live in csrc/paged_attention_cpu.c: paged decode attention (float32 / bfloat16) and a
-float32 linear for a few rows (decode of beams, samples and small batches).
+csrc/paged_attention_cpu.c holds paged decode attention (float32 / bfloat16) and a float32 linear
+for a few rows (decode of beams, samples and small batches); csrc/elementwise_cpu.c the decoder
+layer's fused elementwise ops (residual add + RMSNorm, SiLU-and-multiply, rotary embedding). All
+sources (and the shared header ps_cpu.h) build into one library.
 
 Links against OpenMP by soname (``libgomp.so.1``): torch's own copy is already loaded in the
 process, so the dynamic linker binds to it and torch and these kernels share one thread pool.
@@ -29,7 +31,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c")
+HEADERS = (CSRC / "ps_cpu.h",)
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
@@ -39,6 +43,12 @@ _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_i
 DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
 # x, weight, bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
 LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
+# x, h (NULL: no residual add), w, res, out; rows, H, x/h/res/out row strides; eps; nthreads
+RMS_NORM_ARGTYPES = [_P] * 5 + [_I64] * 6 + [_F, _INT]
+# gate_up, out; rows, I, gate_up/out row strides; nthreads
+SILU_MUL_ARGTYPES = [_P] * 2 + [_I64] * 4 + [_INT]
+# qk (in place), cos, sin; rows, heads, head_dim, qk/cos row strides; nthreads
+ROPE_ARGTYPES = [_P] * 3 + [_I64] * 5 + [_INT]
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class NativeKernels:
     decode_f32: ctypes._CFuncPtr
     decode_bf16: ctypes._CFuncPtr
     linear_f32: ctypes._CFuncPtr
+    linear_bf16: ctypes._CFuncPtr | None  # None without AVX512-BF16 (F.linear then)
+    elementwise: dict[str, ctypes._CFuncPtr]  # "add_rms_norm_f32", "silu_mul_bf16", "rope_f32", ...
     max_linear_rows: int
     max_group: int  # query heads per KV head
     max_head_dim: int
@@ -76,8 +88,8 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(),
+    sources = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256(b"\0".join([*sources, cc.encode(), " ".join(FLAGS).encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
     target = _cache_root() / key / "libprefixserve_cpu.so"
     if target.exists():
@@ -87,7 +99,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -102,11 +114,20 @@ def _load(path: Path) -> NativeKernels:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = DECODE_ARGTYPES, ctypes.c_int64
         funcs.append(fn)
-    lib.ps_linear_f32.argtypes, lib.ps_linear_f32.restype = LINEAR_ARGTYPES, None
-    for name in ("ps_max_g", "ps_max_d", "ps_max_bs", "ps_linear_max_rows"):
+    for name in ("ps_linear_f32", "ps_linear_bf16"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = LINEAR_ARGTYPES, None
+    elementwise = {}
+    for op, argtypes in (("add_rms_norm", RMS_NORM_ARGTYPES), ("silu_mul", SILU_MUL_ARGTYPES),
+                         ("rope", ROPE_ARGTYPES)):
+        for dtype in ("f32", "bf16"):
+            fn = getattr(lib, f"ps_{op}_{dtype}")
+            fn.argtypes, fn.restype = argtypes, None
+            elementwise[f"{op}_{dtype}"] = fn
+    for name in ("ps_max_g", "ps_max_d", "ps_max_bs", "ps_linear_max_rows", "ps_linear_bf16_available"):
         getattr(lib, name).restype = ctypes.c_int64
-    return NativeKernels(*funcs, lib.ps_linear_f32, lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(),
-                         lib.ps_max_bs(), path)
+    linear_bf16 = lib.ps_linear_bf16 if lib.ps_linear_bf16_available() else None
+    return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, elementwise, lib.ps_linear_max_rows(), lib.ps_max_g(),
+                         lib.ps_max_d(), lib.ps_max_bs(), path)
 
 
 @functools.cache

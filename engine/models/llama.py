@@ -7,12 +7,12 @@ layer writes its new K/V into slots and reads all K/V through the block tables.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.linear import Linear
+from kernels.elementwise import add_rms_norm, rope, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -21,22 +21,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, exactly as HF does, so float32
-        # and bfloat16 runs round the same way as the reference implementation.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos/sin: [T, D/2]. HF's x*cat(c,c) + rotate_half(x)*cat(s,s), written on the
-    # two halves: the same multiplies and adds per element (bit-identical), without rotate_half's
-    # extra full-size temporaries.
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    c, s = cos[:, None], sin[:, None]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None  # [T, hidden] each
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual), the residual add fused in; without a residual,
+        (rms_norm(x), x). Rounds as HF does (kernels/elementwise.py)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -53,14 +43,14 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, D]
-        sin: torch.Tensor,  # [T, D]
+        cos: torch.Tensor,  # [T, D/2]
+        sin: torch.Tensor,  # [T, D/2]
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (Hq + 2*Hkv) * D]
-        qk = apply_rope(qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)  # [T, Hq+Hkv, D]
+        qk = rope(qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)  # [T, Hq+Hkv, D] (in place on CPU)
         q, k = qk[:, :Hq], qk[:, Hq:]  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)  # [T, Hkv, D]
 
@@ -90,8 +80,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -102,9 +91,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, attn):
+        # x: the previous layer's MLP output, not yet added to the residual stream (at layer 0: the
+        # embeddings, with residual None). Each norm adds first, in one fused pass (as vLLM does).
+        h, residual = self.input_layernorm(x, residual)  # residual = x + residual
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, attn), residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -142,9 +134,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rope(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, kv_cache, attn)
-        return self.model.norm(x)  # [T, hidden]
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn)
+        return self.model.norm(x, residual)[0]  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab]

@@ -32,7 +32,10 @@ def _lens(bs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("g,d,bs", [(1, 64, 16), (3, 64, 16), (3, 128, 16), (4, 32, 8), (2, 80, 32), (8, 64, 16)])
+# Covers each specialised copy (AVX-512: head_dim 64 / block 16 with 1-4 query heads per KV head,
+# head_dim 128, any multiple of 16 incl. blocks of 32 = two tiles; portable: other head_dims).
+@pytest.mark.parametrize("g,d,bs", [(1, 64, 16), (2, 64, 16), (3, 64, 16), (4, 64, 16), (3, 128, 16), (4, 32, 8),
+                                    (2, 80, 32), (8, 64, 16), (2, 72, 16), (16, 64, 128)])
 def test_cpu_kernel_matches_naive_and_reference(native, g, d, bs, dtype):
     kv = PagedKV(_lens(bs), HKV, d, bs, dtype, seed=g + d + bs, num_layers=2)
     query = torch.randn((len(kv.seq_lens), HKV * g, d), generator=torch.Generator().manual_seed(1)).to(dtype)

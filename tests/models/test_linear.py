@@ -46,10 +46,35 @@ def test_c_linear_matches_f_linear(rows, k, n, bias):
     torch.testing.assert_close(linear_cpu(strided, w, b), F.linear(strided, w, b), atol=1e-4 * k**0.5, rtol=1e-5)
 
 
-def test_c_linear_covers_only_small_float32_cpu_batches():
-    from kernels.linear_cpu import covers
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows,k,n", [(2, 576, 960), (5, 96, 161), (8, 1536, 576), (3, 37, 64), (4, 33, 7)])
+def test_c_linear_bf16_matches_f_linear(rows, k, n, bias):
+    """bfloat16 (AVX512-BF16 CPUs, 2-8 rows): every K tail (K % 32), odd N; float32 sums rounded once,
+    as F.linear's: the same bits but for rare ties of the final rounding."""
+    from kernels._native import native_kernels
+    from kernels.linear_cpu import covers, linear_cpu
+
+    if native_kernels() is None or native_kernels().linear_bf16 is None:
+        pytest.skip("no C compiler or no AVX512-BF16: bfloat16 Linear keeps F.linear")
+    torch.manual_seed(rows * k)
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    assert covers(x, w)
+    out, ref = linear_cpu(x, w, b), F.linear(x, w, b)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+    assert (out != ref).float().mean() < 0.01
+
+
+def test_c_linear_covers_only_small_cpu_batches():
+    from kernels._native import native_kernels
+    from kernels.linear_cpu import BF16_MAX_ROWS, covers
 
     w = torch.empty(8, 4)
     assert not covers(torch.empty(1, 4), w) and not covers(torch.empty(17, 4), w)
-    assert not covers(torch.empty(4, 4, dtype=torch.bfloat16), w.bfloat16())
     assert not covers(torch.empty(4, 4), torch.empty(4, 8).t())  # a transposed weight
+    assert not covers(torch.empty(4, 4, dtype=torch.float16), w.half())
+    assert not covers(torch.empty(4, 4, dtype=torch.bfloat16), w)  # mixed dtypes
+    bf16_kernel = native_kernels() is not None and native_kernels().linear_bf16 is not None
+    assert covers(torch.empty(4, 4, dtype=torch.bfloat16), w.bfloat16()) == bf16_kernel
+    assert not covers(torch.empty(BF16_MAX_ROWS + 1, 4, dtype=torch.bfloat16), w.bfloat16())

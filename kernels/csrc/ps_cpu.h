@@ -1,0 +1,114 @@
+/* Helpers shared by the CPU C kernels: a vectorizable exp and float32 <-> bfloat16 row moves. */
+#ifndef PS_CPU_H
+#define PS_CPU_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 in float32, vectorizable (libm's expf is a call per element). Cody-Waite
+ * reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 Taylor/minimax polynomial: relative error
+ * ~2 ulp, far below the rounding of the scores themselves. Inputs below -87 flush to 0. */
+static inline float ps_exp(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 }; /* 2^n */
+    return p * scale.f;
+}
+
+static inline void ps_load_f32(const float *restrict src, float *restrict dst, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) dst[i] = src[i];
+}
+
+static inline void ps_load_bf16(const uint16_t *src, float *dst, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) {
+        uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(&dst[i], &u, 4);
+    }
+}
+
+static inline void ps_store_f32(float *dst, float x) { *dst = x; }
+
+static inline void ps_store_bf16(uint16_t *dst, float x) { /* round to nearest even, NaN kept */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        *dst = (uint16_t)((u >> 16) | 0x40u);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *dst = (uint16_t)(u >> 16);
+}
+
+/* One value at a time (the elementwise kernels): bfloat16 bits <-> float32, round to nearest even. */
+static inline float ps_bf16_to_f32(uint16_t b) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)b << 16 };
+    return v.f;
+}
+
+static inline uint16_t ps_f32_to_bf16(float x) {
+    uint16_t b;
+    ps_store_bf16(&b, x);
+    return b;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PS_AVX512 1
+#include <immintrin.h>
+
+/* exp of 16 floats: the same reduction and polynomial as ps_exp, with 2^n applied by scalef, so
+ * it overflows to inf (x >= 88.73) and underflows to 0 without bit tricks, which gcc does not
+ * vectorize. The clamps only keep n finite; min/max return their second operand for NaN, so
+ * NaN stays NaN. */
+static inline __m512 ps_exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 bfloat16 -> float32 (masked lanes read as 0). */
+static inline __m512 ps_load16_bf16(const uint16_t *p, __mmask16 m) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* float32 -> bfloat16 bits in the low half of each lane: round to nearest even, NaN kept quiet
+ * (ps_store_bf16, 16 at a time). */
+static inline __m512i ps_bf16_bits16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet);
+}
+
+static inline void ps_store16_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(ps_bf16_bits16(v)));
+}
+
+/* v rounded to bfloat16 and back (the reference's intermediate rounding). */
+static inline __m512 ps_round16_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(ps_bf16_bits16(v), 16));
+}
+#endif
+
+#endif
