@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
 import time
@@ -72,6 +74,7 @@ class Engine:
         self.model_config: ModelConfig = load_model_config(folder)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.tokenizer = _load_tokenizer(folder)
+        _freeze_import_time_objects()
         self.detokenizer = Detokenizer(self.tokenizer)
         model = load_model(folder, self.model_config, self.dtype, self.device)
         num_blocks = self._num_kv_blocks()
@@ -503,6 +506,20 @@ class Engine:
         if num_blocks < 1:
             raise InvalidConfigError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes.")
         return int(num_blocks)
+
+
+def _freeze_import_time_objects() -> None:
+    """Move what exists so far (the ~10^6 objects of torch, transformers and the tokenizer) out of
+    the cyclic GC's sight, once per process, as vLLM does after start-up: the full collections
+    that steps trigger by allocating outputs then no longer traverse them (measured 0.3-1.2 s of a
+    13 s offline bfloat16 run). Done before the model and KV pool exist, so an engine that is
+    dropped later is still collected whole."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
+        # At exit, hand them back: interpreter teardown then finalises them as usual (frozen ones
+        # would be reported as leaks by nanobind-based extensions such as triton's).
+        atexit.register(gc.unfreeze)
 
 
 def _resolve_device(name: str) -> torch.device:
