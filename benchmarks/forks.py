@@ -3,10 +3,11 @@
 (a) n=8 samples of one prompt: prefixserve (one prefill, 8 copy-on-write forks) vs 8 independent
     requests with the prefix cache off vs HF transformers generate(num_return_sequences=8).
 (b) beam search width 4: prefixserve vs HF generate(num_beams=4).
-Reports time, output tokens/s and peak KV blocks, with ratios. One summary line; JSON + PNG under
-benchmarks/results/.
+Each in float32 (the correctness reference) and bfloat16 (the speed option), peers always in the
+same dtype. Reports time, output tokens/s and peak KV blocks, with ratios. One summary line; JSON +
+PNG under benchmarks/results/.
 
-    python benchmarks/forks.py [--prompt-len 1024 --output-len 32]
+    python benchmarks/forks.py [--prompt-len 1024 --output-len 32 --dtypes float32 bfloat16]
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ def timed(fn):
     return time.perf_counter() - t0, value
 
 
-def ours(path: str, prompt: list[int], params, caching: bool, copies: int = 1) -> dict:
+def ours(path: str, dtype: str, prompt: list[int], params, caching: bool, copies: int = 1) -> dict:
     from engine import LLM
 
-    llm = LLM(model=path, enable_prefix_caching=caching, max_num_seqs=16, max_num_batched_tokens=2048)
+    llm = LLM(model=path, dtype=dtype, enable_prefix_caching=caching, max_num_seqs=16, max_num_batched_tokens=2048)
     llm.generate({"prompt_token_ids": prompt[:8]}, type(params)(max_tokens=2), use_tqdm=False)  # warm-up
     seconds, outs = timed(lambda: llm.generate([{"prompt_token_ids": prompt}] * copies, params, use_tqdm=False))
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -40,10 +41,10 @@ def ours(path: str, prompt: list[int], params, caching: bool, copies: int = 1) -
             "peak_kv_blocks": llm.kv_cache_usage()["peak_in_use"]}
 
 
-def hf(path: str, prompt: list[int], **generate_kwargs) -> dict:
+def hf(path: str, dtype: str, prompt: list[int], **generate_kwargs) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--beam-prompt-len", type=int, default=512)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--name", default="forks")
     args = ap.parse_args()
 
@@ -75,36 +77,42 @@ def main() -> None:
     single = SamplingParams(temperature=1.0, top_p=0.95, seed=0, max_tokens=o, ignore_eos=True)
     beam = SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=o, ignore_eos=True)
 
-    res = {"n8": {}, "beam4": {}}
-    res["n8"]["prefixserve_n8"] = ours(path, prompt, sample, caching=False)
-    res["n8"]["independent_8_no_cache"] = ours(path, prompt, single, caching=False, copies=8)
-    res["n8"]["hf_num_return_sequences_8"] = hf(path, prompt, do_sample=True, top_p=0.95, num_return_sequences=8,
-                                                max_new_tokens=o, min_new_tokens=o)
-    res["beam4"]["prefixserve"] = ours(path, beam_prompt, beam, caching=False)
-    res["beam4"]["hf_num_beams_4"] = hf(path, beam_prompt, num_beams=4, num_return_sequences=4, do_sample=False,
-                                        max_new_tokens=o, min_new_tokens=o)
-    for group in res.values():
-        for name, r in group.items():
-            print(f"  {name}: {r}", flush=True)
-    n8 = res["n8"]
-    ratios = {
-        "n8_vs_independent_no_cache": n8["independent_8_no_cache"]["seconds"] / n8["prefixserve_n8"]["seconds"],
-        "n8_vs_hf": n8["hf_num_return_sequences_8"]["seconds"] / n8["prefixserve_n8"]["seconds"],
-        "beam4_vs_hf": res["beam4"]["hf_num_beams_4"]["seconds"] / res["beam4"]["prefixserve"]["seconds"],
-        "n8_peak_blocks_vs_independent": n8["prefixserve_n8"]["peak_kv_blocks"]
-        / n8["independent_8_no_cache"]["peak_kv_blocks"],
-    }
+    results, speedups = {}, {}
+    for dtype in args.dtypes:
+        res = results[dtype] = {"n8": {}, "beam4": {}}
+        res["n8"]["prefixserve_n8"] = ours(path, dtype, prompt, sample, caching=False)
+        res["n8"]["independent_8_no_cache"] = ours(path, dtype, prompt, single, caching=False, copies=8)
+        res["n8"]["hf_num_return_sequences_8"] = hf(path, dtype, prompt, do_sample=True, top_p=0.95,
+                                                    num_return_sequences=8, max_new_tokens=o, min_new_tokens=o)
+        res["beam4"]["prefixserve"] = ours(path, dtype, beam_prompt, beam, caching=False)
+        res["beam4"]["hf_num_beams_4"] = hf(path, dtype, beam_prompt, num_beams=4, num_return_sequences=4,
+                                            do_sample=False, max_new_tokens=o, min_new_tokens=o)
+        for group in res.values():
+            for name, r in group.items():
+                print(f"  {dtype} {name}: {r}", flush=True)
+        n8 = res["n8"]
+        speedups[dtype] = {
+            "n8_vs_independent_no_cache": n8["independent_8_no_cache"]["seconds"] / n8["prefixserve_n8"]["seconds"],
+            "n8_vs_hf": n8["hf_num_return_sequences_8"]["seconds"] / n8["prefixserve_n8"]["seconds"],
+            "beam4_vs_hf": res["beam4"]["hf_num_beams_4"]["seconds"] / res["beam4"]["prefixserve"]["seconds"],
+            "n8_peak_blocks_vs_independent": n8["prefixserve_n8"]["peak_kv_blocks"]
+            / n8["independent_8_no_cache"]["peak_kv_blocks"],
+        }
     write_json(args.name, {"workload": {"prompt_len": args.prompt_len, "beam_prompt_len": args.beam_prompt_len,
-                                        "output_len": o, "model": args.model,
+                                        "output_len": o, "model": args.model, "dtypes": args.dtypes,
                                         "targets": {"beam4_vs_hf": 3.0, "n8_vs_independent_no_cache": 2.0}},
-                           "results": res, "speedups": ratios})
-    bar_plot(args.name, "Forks: wall time (s)", ["n=8 sampling", "beam width 4"],
-             {"prefixserve": [n8["prefixserve_n8"]["seconds"], res["beam4"]["prefixserve"]["seconds"]],
-              "8 independent, no cache": [n8["independent_8_no_cache"]["seconds"], 0.0],
-              "HF generate": [n8["hf_num_return_sequences_8"]["seconds"], res["beam4"]["hf_num_beams_4"]["seconds"]]},
+                           "results": results, "speedups": speedups})
+    labels = [f"{kind} {dtype}" for dtype in args.dtypes for kind in ("n=8", "beam 4")]
+    bar_plot(args.name, "Forks: wall time (s)", labels,
+             {"prefixserve": [r[k]["prefixserve_n8" if k == "n8" else "prefixserve"]["seconds"]
+                              for r in results.values() for k in ("n8", "beam4")],
+              "8 independent, no cache": [v for r in results.values()
+                                          for v in (r["n8"]["independent_8_no_cache"]["seconds"], 0.0)],
+              "HF generate": [r[k]["hf_num_return_sequences_8" if k == "n8" else "hf_num_beams_4"]["seconds"]
+                              for r in results.values() for k in ("n8", "beam4")]},
              "seconds")
-    print("forks: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + " (targets: beam4 >= 3x HF, "
-          "n8 >= 2x independent)")
+    summary = "; ".join(f"{d}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()) for d, r in speedups.items())
+    print(f"forks: {summary} (targets: beam4 >= 3x HF, n8 >= 2x independent)")
 
 
 if __name__ == "__main__":

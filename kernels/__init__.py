@@ -3,7 +3,12 @@
 Each op has a Triton kernel (``<op>_triton``) and a torch reference with the same signature
 (``<op>_torch``). The CPU production set ("cpu") is the torch references plus a C kernel for
 decode attention (``paged_attention_decode_cpu``, built at first use; it falls back to the
-reference when no C compiler is present). Pick a set with :func:`get_attention_ops`. See docs/CONTRACTS.md for the KV layout and op signatures.
+reference when no C compiler is present). Pick a set with :func:`get_attention_ops`. See
+docs/CONTRACTS.md for the KV layout and op signatures.
+
+Outside the attention sets, the model calls two CPU launcher modules directly, each with a torch
+reference of the same signature and a fallback to it off CPU: ``kernels.linear_cpu`` (small-batch
+linears) and ``kernels.elementwise`` (residual add + RMSNorm, SiLU-and-multiply, rotary).
 
 This module stays light on purpose: it imports only torch, never triton, and never touches CUDA at
 import time. (Our top-level name ``kernels`` coincides with Hugging Face's unrelated ``kernels``

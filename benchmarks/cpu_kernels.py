@@ -1,0 +1,167 @@
+"""CPU C kernels vs the torch paths they replace, at SmolLM2-135M's shapes (random weights).
+
+Per op, the same inputs through the C kernel and through its torch reference (for linears:
+F.linear), each timed back to back in one process; reports milliseconds and the ratio.
+
+* decode attention (9 query / 3 KV heads, head_dim 64, blocks of 16 scattered over a pool larger
+  than the caches), per layer: batch 64 at 350 tokens (offline decode), 4 at 530 (beam search);
+* linears over all 30 layers' weights (qkv, o, gate_up, down) plus the tied lm_head, one decode
+  step at 4 / 8 / 16 rows: bound by reading ~540 MB (float32) or ~270 MB (bfloat16) of weights;
+* the decoder layer's elementwise ops (residual add + RMSNorm, SiLU-and-multiply, rotary) at 4
+  rows (decode) and 2,048 rows (a prefill chunk).
+
+One summary line; JSON + PNG under benchmarks/results/.
+
+    python benchmarks/cpu_kernels.py
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks._common import save_figure, write_json  # noqa: E402
+
+HIDDEN, INTER, HQ, HKV, D, LAYERS, VOCAB, BS = 576, 1536, 9, 3, 64, 30, 49152, 16
+
+
+def ms(fn, repeat: int) -> float:
+    """Median of `repeat` timings after two warm-up calls."""
+    fn(), fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def attention_cases(dtype: torch.dtype, repeat: int) -> dict:
+    from kernels.paged_attention_cpu import paged_attention_decode_cpu
+    from kernels.paged_attention_decode import paged_attention_decode_torch
+
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for batch, ctx in ((64, 350), (4, 530)):
+        nblk = -(-ctx // BS)
+        pool = max(3000, batch * nblk)
+        k = torch.randn(pool, BS, HKV, D, generator=gen).to(dtype)
+        v = torch.randn(pool, BS, HKV, D, generator=gen).to(dtype)
+        table = torch.randperm(pool, generator=gen)[: batch * nblk].view(batch, nblk).to(torch.int32)
+        lens = torch.full((batch,), ctx, dtype=torch.int32)
+        q = torch.randn(batch, HQ, D, generator=gen).to(dtype)
+        args = (q, k, v, table, lens, D**-0.5)
+        out[f"attention b{batch} ctx{ctx}"] = {
+            "c_ms": ms(lambda: paged_attention_decode_cpu(*args), repeat),
+            "torch_ms": ms(lambda: paged_attention_decode_torch(*args), repeat),
+        }
+    return out
+
+
+def linear_cases(dtype: torch.dtype, repeat: int) -> dict:
+    from kernels.linear_cpu import covers, linear_covered
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = [((HQ + 2 * HKV) * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes + [(VOCAB, HIDDEN)]]
+    out = {}
+    for rows in (4, 8, 16):
+        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTER)}
+        if not covers(xs[HIDDEN], weights[0]):
+            continue  # rows beyond what the C kernel takes for this dtype
+
+        def step(fn):
+            for w in weights:
+                fn(xs[w.shape[1]], w)
+
+        out[f"linear step {rows} rows"] = {
+            "c_ms": ms(lambda: step(linear_covered), max(3, repeat // 4)),
+            "torch_ms": ms(lambda: step(F.linear), max(3, repeat // 4)),
+        }
+    return out
+
+
+def elementwise_cases(dtype: torch.dtype, repeat: int) -> dict:
+    from kernels import elementwise as ew
+
+    gen = torch.Generator().manual_seed(2)
+    out = {}
+    for rows in (4, 2048):
+        x = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
+        h = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
+        w = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
+        gate_up = torch.randn(rows, 2 * INTER, generator=gen).to(dtype)
+        qkv = torch.randn(rows, (HQ + 2 * HKV) * D, generator=gen).to(dtype)
+        angles = torch.arange(rows).float()[:, None] * torch.rand(D // 2, generator=gen)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+        def fresh_qk():  # rotary runs in place: a fresh q/k slice per call, for both sides
+            return qkv.clone()[:, : (HQ + HKV) * D].view(rows, HQ + HKV, D)
+
+        out[f"add+rmsnorm {rows} rows"] = {"c_ms": ms(lambda: ew.add_rms_norm_cpu(x, h, w, 1e-5), repeat),
+                                           "torch_ms": ms(lambda: ew.add_rms_norm_torch(x, h, w, 1e-5), repeat)}
+        out[f"silu*up {rows} rows"] = {"c_ms": ms(lambda: ew.silu_mul_cpu(gate_up), repeat),
+                                       "torch_ms": ms(lambda: ew.silu_mul_torch(gate_up), repeat)}
+        out[f"rotary {rows} rows"] = {"c_ms": ms(lambda: ew.rope_cpu(fresh_qk(), cos, sin), repeat),
+                                      "torch_ms": ms(lambda: ew.rope_torch(fresh_qk(), cos, sin), repeat)}
+    return out
+
+
+def plot(name: str, results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{d} {label}" for d, cases in results.items() for label in cases]
+    values = [c["speedup"] for cases in results.values() for c in cases.values()]
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(labels) + 1))
+    bars = ax.barh(range(len(labels)), values)
+    ax.bar_label(bars, fmt="%.2fx", fontsize=7)
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("torch time / C time")
+    ax.set_title("CPU C kernels vs the torch path (SmolLM2 shapes)")
+    save_figure(fig, name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--name", default="cpu_kernels")
+    args = ap.parse_args()
+
+    from kernels._native import native_kernels
+
+    if native_kernels() is None:
+        sys.exit("cpu_kernels: the C kernels are unavailable here (no C compiler, or PREFIXSERVE_NATIVE_KERNELS=0)")
+    results = {}
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        cases = {**attention_cases(dtype, args.repeat), **linear_cases(dtype, args.repeat),
+                 **elementwise_cases(dtype, args.repeat)}
+        for case in cases.values():
+            case["speedup"] = case["torch_ms"] / case["c_ms"]
+        results[name] = cases
+        for label, case in cases.items():
+            print(f"  {name} {label}: C {case['c_ms']:.3f} ms, torch {case['torch_ms']:.3f} ms, "
+                  f"{case['speedup']:.2f}x", flush=True)
+    write_json(args.name, {"workload": {"model_shapes": "SmolLM2-135M", "repeat": args.repeat,
+                                        "threads": torch.get_num_threads()}, "results": results})
+    plot(args.name, results)
+    summary = ", ".join(f"{d}: " + " ".join(f"{c['speedup']:.1f}x" for c in cases.values())
+                        for d, cases in results.items())
+    print(f"cpu_kernels: C vs torch speedups ({', '.join(results[args.dtypes[0]])}): {summary}")
+
+
+if __name__ == "__main__":
+    main()
