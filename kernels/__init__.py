@@ -1,9 +1,9 @@
 """prefixserve attention kernels: paged KV store, paged attention (decode / prefill), block copy.
 
 Each op has a Triton kernel (``<op>_triton``) and a torch reference with the same signature
-(``<op>_torch``). The CPU production set ("cpu") is the torch references plus a C kernel for
-decode attention (``paged_attention_decode_cpu``, built at first use; it falls back to the
-reference when no C compiler is present). Pick a set with :func:`get_attention_ops`. See
+(``<op>_torch``). The CPU production set ("cpu") is the torch references plus C kernels for
+decode attention and the KV store (``paged_attention_decode_cpu``, ``store_kv_cpu``, built at
+first use; they fall back to the references when no C compiler is present). Pick a set with :func:`get_attention_ops`. See
 docs/CONTRACTS.md for the KV layout and op signatures.
 
 Outside the attention sets, the model calls two CPU launcher modules directly, each with a torch
@@ -36,6 +36,9 @@ __all__ = [
     "copy_blocks_torch",
     "copy_blocks_triton",
     "paged_attention_decode_cpu",
+    "store_kv_cpu",
+    "native_kernels",
+    "NativeKernels",
 ]
 
 _OPS = {
@@ -63,11 +66,12 @@ def _load(op: str, backend: str) -> Callable[..., Any]:
 
 
 def _make(backend: str) -> AttentionOps:
-    if backend == "cpu":  # the torch references, with the C kernel for decode attention
+    if backend == "cpu":  # the torch references, with C kernels for decode attention and the KV store
         from .paged_attention_cpu import paged_attention_decode_cpu
+        from .cpu_store_kv import store_kv_cpu
 
         return AttentionOps(
-            store_kv=_load("store_kv", "torch"),
+            store_kv=store_kv_cpu,
             paged_attention_decode=paged_attention_decode_cpu,
             paged_attention_prefill=_load("paged_attention_prefill", "torch"),
             copy_blocks=_load("copy_blocks", "torch"),
@@ -118,10 +122,18 @@ def get_attention_ops(backend: str = "auto", device: torch.device | str = "cpu")
 
 
 def __getattr__(name: str) -> Any:  # lazy access to the per-op functions, e.g. kernels.store_kv_torch
+    if name in ("native_kernels", "NativeKernels"):  # the CPU C kernels' entry points (or None)
+        from . import _native
+
+        return getattr(_native, name)
     if name == "paged_attention_decode_cpu":
         from .paged_attention_cpu import paged_attention_decode_cpu
 
         return paged_attention_decode_cpu
+    if name == "store_kv_cpu":
+        from .cpu_store_kv import store_kv_cpu
+
+        return store_kv_cpu
     for op in _OPS:
         for backend in ("torch", "triton"):
             if name == f"{op}_{backend}":
