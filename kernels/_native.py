@@ -6,8 +6,8 @@ compiling takes about a second. Nothing here is needed for correctness: when no 
 found, the build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0`` is set, :func:`native_kernels`
 returns None and callers keep the torch path (a warning says why, once).
 
-csrc/paged_attention_cpu.c holds paged decode attention (float32 / bfloat16) and a float32 linear
-for a few rows (decode of beams, samples and small batches); csrc/elementwise_cpu.c the decoder
+csrc/paged_attention_cpu.c holds paged decode attention (float32 / bfloat16), the KV store, and a
+float32 / bfloat16 linear for a few rows (decode of beams, samples and small batches); csrc/elementwise_cpu.c the decoder
 layer's fused elementwise ops (residual add + RMSNorm, SiLU-and-multiply, rotary embedding). All
 sources (and the shared header ps_cpu.h) build into one library.
 
@@ -43,6 +43,9 @@ _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_i
 DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
 # x, weight, bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
 LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
+# key, value, k_cache, v_cache, slots (int64); T, row bytes, key/value token strides, cache slot
+# strides (bytes), number of slots -> 1 on a slot outside the pool
+STORE_KV_ARGTYPES = [_P] * 5 + [_I64] * 7
 # x, h (NULL: no residual add), w, res, out; rows, H, x/h/res/out row strides; eps; nthreads
 RMS_NORM_ARGTYPES = [_P] * 5 + [_I64] * 6 + [_F, _INT]
 # gate_up, out; rows, I, gate_up/out row strides; nthreads
@@ -59,6 +62,7 @@ class NativeKernels:
     decode_bf16: ctypes._CFuncPtr
     linear_f32: ctypes._CFuncPtr
     linear_bf16: ctypes._CFuncPtr | None  # None without AVX512-BF16 (F.linear then)
+    store_kv: ctypes._CFuncPtr
     elementwise: dict[str, ctypes._CFuncPtr]  # "add_rms_norm_f32", "silu_mul_bf16", "rope_f32", ...
     max_linear_rows: int
     max_group: int  # query heads per KV head
@@ -126,7 +130,8 @@ def _load(path: Path) -> NativeKernels:
     for name in ("ps_max_g", "ps_max_d", "ps_max_bs", "ps_linear_max_rows", "ps_linear_bf16_available"):
         getattr(lib, name).restype = ctypes.c_int64
     linear_bf16 = lib.ps_linear_bf16 if lib.ps_linear_bf16_available() else None
-    return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, elementwise, lib.ps_linear_max_rows(), lib.ps_max_g(),
+    lib.ps_store_kv.argtypes, lib.ps_store_kv.restype = STORE_KV_ARGTYPES, ctypes.c_int64
+    return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, elementwise, lib.ps_linear_max_rows(), lib.ps_max_g(),
                          lib.ps_max_d(), lib.ps_max_bs(), path)
 
 

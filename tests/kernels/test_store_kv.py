@@ -5,6 +5,11 @@ import torch
 from kernels_testlib import DEVICE, config_grid, needs_triton
 
 from kernels.store_kv import store_kv_torch, store_kv_triton
+from kernels.cpu_store_kv import store_kv_cpu
+
+# The C kernel on CPU (with no C compiler it is the reference, and these still pass).
+_CPU = pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="a CPU kernel"))
+_FN = {"torch": store_kv_torch, "triton": store_kv_triton, "cpu": store_kv_cpu}
 
 
 def _case(hkv, d, bs, dtype, num_tokens=23, seed=0, num_layers=2):
@@ -52,7 +57,28 @@ def test_triton_matches_reference(g, d, bs, dtype):
     torch.testing.assert_close(kv_cache, ref_cache, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("g,d,bs,dtype", config_grid())
+def test_cpu_kernel_matches_reference(g, d, bs, dtype):
+    if DEVICE != "cpu":
+        pytest.skip("a CPU kernel")
+    key, value, kv_cache, slot_mapping = _case(g, d, bs, dtype, seed=2)
+    ref_cache = kv_cache.clone()
+    store_kv_torch(key, value, ref_cache[1, 0], ref_cache[1, 1], slot_mapping)
+    store_kv_cpu(key, value, kv_cache[1, 0], kv_cache[1, 1], slot_mapping)
+    torch.testing.assert_close(kv_cache, ref_cache, rtol=0, atol=0, equal_nan=True)
+
+
+def test_cpu_kernel_refuses_a_slot_past_the_pool_writing_nothing():
+    kv = torch.zeros((1, 2, 2, 4, 1, 8))
+    with pytest.raises(IndexError, match="store_kv"):
+        store_kv_cpu(torch.ones((2, 1, 8)), torch.ones((2, 1, 8)), kv[0, 0], kv[0, 1], torch.tensor([1, 8]))
+    assert kv.abs().sum().item() == 0
+    kv_strided = torch.zeros((2, 4, 8, 1)).transpose(2, 3)  # [NB, BS, 1, 8] with rows not packed: reference
+    store_kv_cpu(torch.ones((1, 1, 8)), torch.ones((1, 1, 8)), kv_strided, kv_strided.clone(), torch.tensor([5]))
+    assert kv_strided[1, 1].sum().item() == 8
+
+
+@pytest.mark.parametrize("backend", ["torch", _CPU, pytest.param("triton", marks=needs_triton)])
 def test_strided_inputs_and_int32_slots(backend):
     # key/value as head slices of a fused qkv projection: rows are strided, last dim contiguous
     hq, hkv, d, bs = 4, 2, 16, 8
@@ -60,15 +86,15 @@ def test_strided_inputs_and_int32_slots(backend):
     key, value = qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
     kv_cache = torch.full((1, 2, 4, bs, hkv, d), float("nan"), device=DEVICE)
     slots = torch.tensor([5, 0, 31, -1, 8, 9, 17, 3, 30], dtype=torch.int32, device=DEVICE)
-    fn = store_kv_torch if backend == "torch" else store_kv_triton
+    fn = _FN[backend]
     fn(key, value, kv_cache[0, 0], kv_cache[0, 1], slots)
     expected = _naive(key, value, torch.full_like(kv_cache, float("nan")), slots, layer=0)
     torch.testing.assert_close(kv_cache.cpu(), expected, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", ["torch", _CPU, pytest.param("triton", marks=needs_triton)])
 def test_empty_and_all_padding(backend):
-    fn = store_kv_torch if backend == "torch" else store_kv_triton
+    fn = _FN[backend]
     kv = torch.zeros((1, 2, 2, 4, 1, 8), device=DEVICE)
     fn(torch.ones((0, 1, 8), device=DEVICE), torch.ones((0, 1, 8), device=DEVICE), kv[0, 0], kv[0, 1],
        torch.zeros((0,), dtype=torch.int64, device=DEVICE))
@@ -100,11 +126,11 @@ _BAD = {
 
 
 @pytest.mark.parametrize("bad", list(_BAD))
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", ["torch", _CPU, pytest.param("triton", marks=needs_triton)])
 def test_validation(bad, backend):
     args = _valid_args()
     _BAD[bad](args)
-    fn = store_kv_torch if backend == "torch" else store_kv_triton
+    fn = _FN[backend]
     with pytest.raises(ValueError, match="store_kv"):
         fn(**args)
 

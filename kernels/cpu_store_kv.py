@@ -1,0 +1,52 @@
+"""store_kv on CPU through the C kernel in csrc/paged_attention_cpu.c.
+
+    store_kv_cpu(key[T,Hkv,D], value[T,Hkv,D], k_cache, v_cache, slot_mapping[T]) -> None
+
+The same signature and contract as :func:`kernels.store_kv_torch` (the reference): token ``t``'s
+K and V go to flat slot ``slot_mapping[t]``, negative slots are skipped. The C kernel copies each
+token's [Hkv, D] rows with memcpy, which needs them contiguous in the inputs and in the cache
+slot; anything else (or no C compiler) goes to the reference. A slot past the pool raises
+IndexError with nothing written, as the reference's index_copy_ does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._native import native_kernels
+from .store_kv import _validate, store_kv_torch
+
+_OP = "store_kv"
+
+
+def store_kv_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    t, nb, bs, hkv, d = _validate(key, value, k_cache, v_cache, slot_mapping)
+    native = native_kernels()
+    if native is None or not (_rows_packed(key) and _rows_packed(value) and _slots_packed(k_cache)
+                              and _slots_packed(v_cache) and key.device.type == "cpu"):
+        return store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+    if t == 0:
+        return
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else (
+        slot_mapping.to(torch.int64).contiguous())
+    size = key.element_size()
+    bad = native.store_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                          t, hkv * d * size, key.stride(0) * size, value.stride(0) * size,
+                          k_cache.stride(1) * size, v_cache.stride(1) * size, nb * bs)
+    if bad:
+        raise IndexError(f"{_OP}: slot_mapping holds slots outside [0, {nb * bs})")
+
+
+def _rows_packed(x: torch.Tensor) -> bool:  # each token's [Hkv, D] contiguous
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _slots_packed(cache: torch.Tensor) -> bool:  # [NB, BS, Hkv, D]: slots evenly spaced, rows contiguous
+    nb, bs, hkv, d = cache.shape
+    return cache.stride(3) == 1 and cache.stride(2) == d and cache.stride(1) == hkv * d and cache.stride(0) == bs * hkv * d
