@@ -17,8 +17,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 KV_TIER_POLICIES = ("auto", "always")
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 # On CPU there is no "fraction of device memory" to take: the KV pool gets a fixed budget, vLLM's
-# CPU default (4 GiB when VLLM_CPU_KVCACHE_SPACE is unset). The pool's pages are mapped lazily
-# (ModelRunner), so memory is committed only as blocks are first written.
+# CPU default (4 GiB when VLLM_CPU_KVCACHE_SPACE is unset), resident from start-up
+# (model_runner.zeroed_pool).
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30
 
 
