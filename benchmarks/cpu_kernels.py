@@ -158,9 +158,9 @@ def main() -> None:
     write_json(args.name, {"workload": {"model_shapes": "SmolLM2-135M", "repeat": args.repeat,
                                         "threads": torch.get_num_threads()}, "results": results})
     plot(args.name, results)
-    summary = ", ".join(f"{d}: " + " ".join(f"{c['speedup']:.1f}x" for c in cases.values())
+    summary = "; ".join(f"{d}: " + ", ".join(f"{label} {c['speedup']:.1f}x" for label, c in cases.items())
                         for d, cases in results.items())
-    print(f"cpu_kernels: C vs torch speedups ({', '.join(results[args.dtypes[0]])}): {summary}")
+    print(f"cpu_kernels: C kernel speedup over the torch path: {summary}")
 
 
 if __name__ == "__main__":
