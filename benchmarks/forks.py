@@ -4,7 +4,7 @@
     requests with the prefix cache off vs HF transformers generate(num_return_sequences=8).
 (b) beam search width 4: prefixserve vs HF generate(num_beams=4).
 Each in float32 (the correctness reference) and bfloat16 (the speed option), peers always in the
-same dtype. Reports time, output tokens/s and peak KV blocks, with ratios. One summary line; JSON +
+same dtype; beam search is timed as the median of 3 runs a side (--beam-repeats). Reports time, output tokens/s and peak KV blocks, with ratios. One summary line; JSON +
 PNG under benchmarks/results/.
 
     python benchmarks/forks.py [--prompt-len 1024 --output-len 32 --dtypes float32 bfloat16]
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,18 +31,25 @@ def timed(fn):
     return time.perf_counter() - t0, value
 
 
-def ours(path: str, dtype: str, prompt: list[int], params, caching: bool, copies: int = 1) -> dict:
+def median_of(repeats: int, fn):
+    """(median seconds, the last value, every time): each side runs `repeats` times back to back."""
+    runs = [timed(fn) for _ in range(repeats)]
+    return statistics.median(t for t, _ in runs), runs[-1][1], [t for t, _ in runs]
+
+
+def ours(path: str, dtype: str, prompt: list[int], params, caching: bool, copies: int = 1, repeats: int = 1) -> dict:
     from engine import LLM
 
     llm = LLM(model=path, dtype=dtype, enable_prefix_caching=caching, max_num_seqs=16, max_num_batched_tokens=2048)
     llm.generate({"prompt_token_ids": prompt[:8]}, type(params)(max_tokens=2), use_tqdm=False)  # warm-up
-    seconds, outs = timed(lambda: llm.generate([{"prompt_token_ids": prompt}] * copies, params, use_tqdm=False))
+    seconds, outs, runs = median_of(
+        repeats, lambda: llm.generate([{"prompt_token_ids": prompt}] * copies, params, use_tqdm=False))
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
+    return {"seconds": seconds, "runs_s": runs, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
             "peak_kv_blocks": llm.kv_cache_usage()["peak_in_use"]}
 
 
-def hf(path: str, dtype: str, prompt: list[int], **generate_kwargs) -> dict:
+def hf(path: str, dtype: str, prompt: list[int], repeats: int = 1, **generate_kwargs) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -49,10 +57,10 @@ def hf(path: str, dtype: str, prompt: list[int], **generate_kwargs) -> dict:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         model.generate(ids[:, :8], max_new_tokens=2, pad_token_id=0)  # warm-up
-        seconds, out = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
-                                                    **generate_kwargs))
+        seconds, out, runs = median_of(repeats, lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **generate_kwargs))
     tokens = (out.shape[1] - len(prompt)) * out.shape[0]
-    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
+    return {"seconds": seconds, "runs_s": runs, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
 
 
 def main() -> None:
@@ -62,6 +70,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--beam-prompt-len", type=int, default=512)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--beam-repeats", type=int, default=3, help="beam-search runs per side (median reported)")
     ap.add_argument("--name", default="forks")
     args = ap.parse_args()
 
@@ -84,8 +93,11 @@ def main() -> None:
         res["n8"]["independent_8_no_cache"] = ours(path, dtype, prompt, single, caching=False, copies=8)
         res["n8"]["hf_num_return_sequences_8"] = hf(path, dtype, prompt, do_sample=True, top_p=0.95,
                                                     num_return_sequences=8, max_new_tokens=o, min_new_tokens=o)
-        res["beam4"]["prefixserve"] = ours(path, dtype, beam_prompt, beam, caching=False)
-        res["beam4"]["hf_num_beams_4"] = hf(path, dtype, beam_prompt, num_beams=4, num_return_sequences=4,
+        # Beam search is short (~1.5-5 s a run) and this machine's timings wander by 10-20%: the
+        # median of --beam-repeats runs on each side.
+        r = args.beam_repeats
+        res["beam4"]["prefixserve"] = ours(path, dtype, beam_prompt, beam, caching=False, repeats=r)
+        res["beam4"]["hf_num_beams_4"] = hf(path, dtype, beam_prompt, repeats=r, num_beams=4, num_return_sequences=4,
                                             do_sample=False, max_new_tokens=o, min_new_tokens=o)
         for group in res.values():
             for name, r in group.items():
@@ -100,6 +112,7 @@ def main() -> None:
         }
     write_json(args.name, {"workload": {"prompt_len": args.prompt_len, "beam_prompt_len": args.beam_prompt_len,
                                         "output_len": o, "model": args.model, "dtypes": args.dtypes,
+                                        "beam_repeats": args.beam_repeats,
                                         "targets": {"beam4_vs_hf": 3.0, "n8_vs_independent_no_cache": 2.0}},
                            "results": results, "speedups": speedups})
     labels = [f"{kind} {dtype}" for dtype in args.dtypes for kind in ("n=8", "beam 4")]

@@ -25,6 +25,16 @@
 #define PS_MAX_D 256
 #define PS_MAX_BS 128
 
+/* Prefetch a block's BS rows of K and V (row_bytes each; rows k_ss / v_ss bytes apart). */
+static inline void ps_prefetch_block(const void *k, const void *v, int64_t BS, int64_t k_ss, int64_t v_ss,
+                                     int64_t row_bytes) {
+    for (int64_t t = 0; t < BS; ++t)
+        for (int64_t c = 0; c < row_bytes; c += 64) {
+            __builtin_prefetch((const char *)k + t * k_ss + c);
+            __builtin_prefetch((const char *)v + t * v_ss + c);
+        }
+}
+
 /* One work item, (sequence b, KV head h): q, kc, vc and out already point at head h's G query rows,
  * KV column and output rows; bt_row is sequence b's block table. always_inline, so the callers
  * below get copies specialised for the common head_dim / block_size (the loops then unroll). */
@@ -49,14 +59,9 @@
             const int64_t n = len - j * BS < BS ? len - j * BS : BS;                                 \
             const T *kb = kc + blk * k_sb;                                                           \
             const T *vb = vc + blk * v_sb;                                                           \
-            if (j + 1 < nblk) { /* the next block is elsewhere in the pool: fetch it while we work */ \
-                const T *kn = kc + (int64_t)bt_row[j + 1] * k_sb, *vn = vc + (int64_t)bt_row[j + 1] * v_sb; \
-                for (int64_t t = 0; t < BS; ++t)                                                     \
-                    for (int64_t c = 0; c < D * (int64_t)sizeof(T); c += 64) {                       \
-                        __builtin_prefetch((const char *)(kn + t * k_ss) + c);                      \
-                        __builtin_prefetch((const char *)(vn + t * v_ss) + c);                      \
-                    }                                                                                \
-            }                                                                                        \
+            if (j + 1 < nblk) /* the next block is elsewhere in the pool: fetch it while we work */ \
+                ps_prefetch_block(kc + (int64_t)bt_row[j + 1] * k_sb, vc + (int64_t)bt_row[j + 1] * v_sb, \
+                                  BS, k_ss * (int64_t)sizeof(T), v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T)); \
             for (int64_t t = 0; t < n; ++t) {                                                        \
                 LOAD(kb + t * k_ss, row, D);                                                         \
                 for (int64_t g = 0; g < G; ++g) {                                                    \
@@ -156,14 +161,9 @@ static inline __m512 ps_hsum16(const __m512 *a) {
         for (int64_t j = 0; j < nblk; ++j) {                                                         \
             const T *kb = kc + (int64_t)bt_row[j] * k_sb, *vb = vc + (int64_t)bt_row[j] * v_sb;      \
             const int64_t n = len - j * BS < BS ? len - j * BS : BS;                                 \
-            if (j + 1 < nblk) { /* the next block is elsewhere in the pool: fetch it while we work */ \
-                const T *kn = kc + (int64_t)bt_row[j + 1] * k_sb, *vn = vc + (int64_t)bt_row[j + 1] * v_sb; \
-                for (int64_t t = 0; t < BS; ++t)                                                     \
-                    for (int64_t c = 0; c < D * (int64_t)sizeof(T); c += 64) {                       \
-                        __builtin_prefetch((const char *)(kn + t * k_ss) + c);                      \
-                        __builtin_prefetch((const char *)(vn + t * v_ss) + c);                      \
-                    }                                                                                \
-            }                                                                                        \
+            if (j + 1 < nblk) /* the next block is elsewhere in the pool: fetch it while we work */ \
+                ps_prefetch_block(kc + (int64_t)bt_row[j + 1] * k_sb, vc + (int64_t)bt_row[j + 1] * v_sb, \
+                                  BS, k_ss * (int64_t)sizeof(T), v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T)); \
             for (int64_t t0 = 0; t0 < n; t0 += 16) {                                                 \
                 const int64_t nt = n - t0 < 16 ? n - t0 : 16;                                        \
                 const __mmask16 valid = (__mmask16)(nt == 16 ? 0xffffu : (1u << nt) - 1u);           \
