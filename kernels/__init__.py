@@ -3,8 +3,8 @@
 Each op has a Triton kernel (``<op>_triton``) and a torch reference with the same signature
 (``<op>_torch``). The CPU production set ("cpu") is the torch references plus C kernels for
 decode attention and the KV store (``paged_attention_decode_cpu``, ``store_kv_cpu``, built at
-first use; they fall back to the references when no C compiler is present). Pick a set with :func:`get_attention_ops`. See
-docs/CONTRACTS.md for the KV layout and op signatures.
+first use; they fall back to the references when no C compiler is present). Pick a set with
+:func:`get_attention_ops`. See docs/CONTRACTS.md for the KV layout and op signatures.
 
 Outside the attention sets, the model calls two CPU launcher modules directly, each with a torch
 reference of the same signature and a fallback to it off CPU: ``kernels.linear_cpu`` (small-batch

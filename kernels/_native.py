@@ -7,9 +7,10 @@ found, the build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0`` is set, :func:`nativ
 returns None and callers keep the torch path (a warning says why, once).
 
 csrc/paged_attention_cpu.c holds paged decode attention (float32 / bfloat16), the KV store, and a
-float32 / bfloat16 linear for a few rows (decode of beams, samples and small batches); csrc/elementwise_cpu.c the decoder
-layer's fused elementwise ops (residual add + RMSNorm, SiLU-and-multiply, rotary embedding). All
-sources (and the shared header ps_cpu.h) build into one library.
+float32 / bfloat16 linear for a few rows (decode of beams, samples and small batches);
+csrc/elementwise_cpu.c the decoder layer's fused elementwise ops (residual add + RMSNorm,
+SiLU-and-multiply, rotary embedding). All sources (and the shared header ps_cpu.h) build into one
+library.
 
 Links against OpenMP by soname (``libgomp.so.1``): torch's own copy is already loaded in the
 process, so the dynamic linker binds to it and torch and these kernels share one thread pool.
@@ -29,7 +30,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
+
+# The dtypes the C kernels are built for, and their names' suffix.
+DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c")
@@ -69,6 +75,21 @@ class NativeKernels:
     max_head_dim: int
     max_block_size: int
     path: Path
+
+    # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
+    # stack alike. Callers check the dtype with has_dtype first.
+    @staticmethod
+    def has_dtype(dtype) -> bool:
+        return dtype in DTYPE_SUFFIX
+
+    def decode_for(self, dtype) -> ctypes._CFuncPtr:
+        return self.decode_f32 if DTYPE_SUFFIX[dtype] == "f32" else self.decode_bf16
+
+    def linear_for(self, dtype) -> ctypes._CFuncPtr | None:
+        return self.linear_f32 if DTYPE_SUFFIX[dtype] == "f32" else self.linear_bf16
+
+    def elementwise_for(self, op: str, dtype) -> ctypes._CFuncPtr:
+        return self.elementwise[f"{op}_{DTYPE_SUFFIX[dtype]}"]
 
 
 def _cache_root() -> Path:
@@ -131,8 +152,8 @@ def _load(path: Path) -> NativeKernels:
         getattr(lib, name).restype = ctypes.c_int64
     linear_bf16 = lib.ps_linear_bf16 if lib.ps_linear_bf16_available() else None
     lib.ps_store_kv.argtypes, lib.ps_store_kv.restype = STORE_KV_ARGTYPES, ctypes.c_int64
-    return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, elementwise, lib.ps_linear_max_rows(), lib.ps_max_g(),
-                         lib.ps_max_d(), lib.ps_max_bs(), path)
+    return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, elementwise,
+                         lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(), path)
 
 
 @functools.cache
@@ -142,8 +163,6 @@ def native_kernels() -> NativeKernels | None:
         return None
     if platform.system() != "Linux":
         return None  # built and tested on Linux (gcc/clang with OpenMP) only
-    import torch  # noqa: F401  (loads torch's libgomp first, so ours binds to it)
-
     cc = _compiler()
     if cc is None:
         logger.warning("no C compiler found: CPU decode attention and small linears use the torch path (slower)")

@@ -21,9 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._native import native_kernels
-
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+from ._native import DTYPE_SUFFIX, native_kernels
 
 
 # --------------------------------------------------------------------------- torch references
@@ -61,10 +59,10 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def _kernel(op: str, *tensors: torch.Tensor):
     """The C kernel for ``op`` when every tensor is a CPU tensor of one covered dtype, else None."""
     dtype = tensors[0].dtype
-    if dtype not in _SUFFIX or any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
+    if dtype not in DTYPE_SUFFIX or any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
         return None
     native = native_kernels()
-    return None if native is None else native.elementwise[f"{op}_{_SUFFIX[dtype]}"]
+    return None if native is None else native.elementwise_for(op, dtype)
 
 
 def _rows(t: torch.Tensor) -> bool:  # a [rows, width] matrix whose rows are contiguous

@@ -15,26 +15,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._native import native_kernels
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from ._native import DTYPE_SUFFIX, NativeKernels, native_kernels
 # bfloat16 rows the C kernel takes: above 8 it makes a second pass over each weight row, and
 # oneDNN's AMX path wins (SmolLM2's 30 layers: 13/16/33 ms per step at 4/8/16 rows vs F.linear's
 # 22/23/24 ms).
 BF16_MAX_ROWS = 8
 
 
+def rows_covered(native: NativeKernels, dtype: torch.dtype) -> range:
+    """The row counts the C kernel takes in ``dtype`` (empty where it has none for that dtype)."""
+    if native.linear_for(dtype) is None:
+        return range(0)
+    return range(2, 1 + (native.max_linear_rows if dtype == torch.float32 else BF16_MAX_ROWS))
+
+
 def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when :func:`linear_cpu` runs the C kernel for these operands."""
-    if not (x.dim() == 2 and x.shape[0] > 1 and x.dtype in _DTYPES and x.device.type == "cpu"
+    if not (x.dim() == 2 and x.dtype in DTYPE_SUFFIX and x.device.type == "cpu"
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.is_contiguous()):
         return False
     native = native_kernels()
-    if native is None:
-        return False
-    if x.dtype == torch.float32:
-        return x.shape[0] <= native.max_linear_rows
-    return native.linear_bf16 is not None and x.shape[0] <= BF16_MAX_ROWS
+    return native is not None and x.shape[0] in rows_covered(native, x.dtype)
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,9 +55,7 @@ def linear_covered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x = x.contiguous()
     b = None if bias is None else bias.contiguous()
     out = torch.empty((m, n), dtype=x.dtype)
-    native = native_kernels()
-    fn = native.linear_f32 if x.dtype == torch.float32 else native.linear_bf16
-    fn(
+    native_kernels().linear_for(x.dtype)(
         x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
         m, n, k, x.stride(0), out.stride(0), torch.get_num_threads(),
     )

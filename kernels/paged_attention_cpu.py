@@ -53,7 +53,7 @@ def paged_attention_decode_cpu(
         table = table.contiguous()
     q = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty((b, hq, d), dtype=query.dtype)
-    fn = native.decode_f32 if query.dtype == torch.float32 else native.decode_bf16
+    fn = native.decode_for(query.dtype)
     bad = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
              b, hq, hkv, d, bs, table.stride(0), nb,
              q.stride(0), q.stride(1),

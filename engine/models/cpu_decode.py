@@ -28,9 +28,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from kernels import NativeKernels, native_kernels
-from kernels.linear_cpu import BF16_MAX_ROWS
-
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+from kernels.linear_cpu import rows_covered
 
 
 @dataclass(frozen=True)
@@ -47,20 +45,16 @@ class _Layer:
 class CpuDecodeStack:
     def __init__(self, model: LlamaForCausalLM, native: NativeKernels, dtype: torch.dtype) -> None:
         cfg = model.config
-        self.model, self.native, self.dtype = model, native, dtype
+        self.model, self.dtype = model, dtype
         self.hq, self.hkv, self.d, self.hidden = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         self.eps, self.final_norm = model.model.norm.eps, model.model.norm.weight
-        sfx = _SUFFIX[dtype]
-        self.norm_fn = native.elementwise[f"add_rms_norm_{sfx}"]
-        self.silu_mul_fn = native.elementwise[f"silu_mul_{sfx}"]
-        self.rope_fn = native.elementwise[f"rope_{sfx}"]
-        self.decode_fn = native.decode_f32 if dtype == torch.float32 else native.decode_bf16
-        self.linear_fn = native.linear_f32 if dtype == torch.float32 else native.linear_bf16
+        self.norm_fn = native.elementwise_for("add_rms_norm", dtype)
+        self.silu_mul_fn = native.elementwise_for("silu_mul", dtype)
+        self.rope_fn = native.elementwise_for("rope", dtype)
+        self.decode_fn = native.decode_for(dtype)
+        self.linear_fn = native.linear_for(dtype)
         self.store_kv_fn = native.store_kv
-        # Rows the C linear takes (Linear's policy, kernels.linear_cpu.covers); others go to F.linear.
-        self.linear_rows = range(2, 1 + (native.max_linear_rows if dtype == torch.float32 else BF16_MAX_ROWS))
-        if self.linear_fn is None:
-            self.linear_rows = range(0)
+        self.linear_rows = rows_covered(native, dtype)  # Linear's policy; other row counts go to F.linear
 
         def proj(linear):
             return linear.weight, linear.bias
@@ -79,18 +73,17 @@ class CpuDecodeStack:
         native = native_kernels()
         dtype = model.model.embed_tokens.weight.dtype
         cfg = model.config
-        if device.type != "cpu" or attention_backend != "cpu" or native is None or dtype not in _SUFFIX:
+        if device.type != "cpu" or attention_backend != "cpu" or native is None or not native.has_dtype(dtype):
             return None
         if cfg.num_heads // cfg.num_kv_heads > native.max_group or cfg.head_dim > native.max_head_dim:
             return None
-        tensors = [p for p in model.parameters()]
-        if any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
+        if any(p.dtype != dtype or not p.is_contiguous() for p in model.parameters()):
             return None
         return cls(model, native, dtype)
 
     def covers(self, attn: AttentionMetadata, num_tokens: int) -> bool:
         """A decode-only step (every scheduled sequence has exactly one new token)."""
-        return num_tokens > 0 and attn.num_decode_tokens == num_tokens and attn.num_prefills == 0
+        return 0 < num_tokens == attn.num_decode_tokens
 
     # -- the step -------------------------------------------------------------------------
     def __call__(
@@ -107,6 +100,8 @@ class CpuDecodeStack:
         table, lens = self._checked_tables(attn, kv_cache.shape[3])
         nb, bs = kv_cache.shape[2], kv_cache.shape[3]
         slots = attn.slot_mapping.to(torch.int64).contiguous()  # [T], no copy when already so
+        size = kv_cache.element_size()
+        qkv_row, kv_row, slot_bytes = (hq + 2 * hkv) * d * size, hkv * d * size, kv_cache.stride(3) * size  # bytes
         residual = x  # updated in place from layer 0's second norm on (x is rebound every layer)
         h = torch.empty_like(x)
         use_c_linear = t in self.linear_rows
@@ -119,11 +114,9 @@ class CpuDecodeStack:
             self.rope_fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, hq + hkv, d, qkv.shape[1],
                          cos.shape[1], nthreads)
             k_cache, v_cache = kv_cache[layer.index, 0], kv_cache[layer.index, 1]  # [NB, BS, Hkv, D]
-            row = qkv.shape[1] * qkv.element_size()
-            if self.store_kv_fn(qkv[:, hq * d:].data_ptr(), qkv[:, (hq + hkv) * d:].data_ptr(), k_cache.data_ptr(),
-                                v_cache.data_ptr(), slots.data_ptr(), t, hkv * d * qkv.element_size(), row, row,
-                                k_cache.stride(1) * k_cache.element_size(), v_cache.stride(1) * v_cache.element_size(),
-                                nb * bs):
+            k_new = qkv.data_ptr() + hq * d * size  # row layout: [q heads | k heads | v heads]
+            if self.store_kv_fn(k_new, k_new + kv_row, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), t,
+                                kv_row, qkv_row, qkv_row, slot_bytes, slot_bytes, nb * bs):
                 raise IndexError(f"store_kv: slot_mapping holds slots outside [0, {nb * bs})")
             out = torch.empty((t, hq, d), dtype=self.dtype)
             bad = self.decode_fn(

@@ -40,6 +40,8 @@ def test_decode_steps_match_the_modules_bit_for_bit(tiny_model_factory, monkeypa
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [5] * batch
     assert checked and max(checked) == batch
+    llm.engine.check_integrity()
+    assert llm.kv_cache_usage()["num_in_use"] == 0  # every block back once the requests end
 
 
 def test_only_decode_only_steps_on_the_cpu_backend_take_the_stack(tiny_model_factory):
