@@ -1,9 +1,10 @@
 """prefixserve attention kernels: paged KV store, paged attention (decode / prefill), block copy.
 
 Each op has a Triton kernel (``<op>_triton``) and a torch reference with the same signature
-(``<op>_torch``). The CPU production set ("cpu") is the torch references plus C kernels for
-decode attention and the KV store (``paged_attention_decode_cpu``, ``store_kv_cpu``, built at
-first use; they fall back to the references when no C compiler is present). Pick a set with
+(``<op>_torch``). The CPU production set ("cpu") is C kernels for decode and prefill attention and
+the KV store (``paged_attention_decode_cpu``, ``paged_attention_prefill_cpu``, ``store_kv_cpu``,
+built at first use; each falls back to its reference when no C compiler is present, and prefill to
+SDPA in bfloat16) plus the torch block copy. Pick a set with
 :func:`get_attention_ops`. See docs/CONTRACTS.md for the KV layout and op signatures.
 
 Outside the attention sets, the model calls two CPU launcher modules directly, each with a torch
@@ -36,6 +37,7 @@ __all__ = [
     "copy_blocks_torch",
     "copy_blocks_triton",
     "paged_attention_decode_cpu",
+    "paged_attention_prefill_cpu",
     "store_kv_cpu",
     "native_kernels",
     "NativeKernels",
@@ -66,14 +68,14 @@ def _load(op: str, backend: str) -> Callable[..., Any]:
 
 
 def _make(backend: str) -> AttentionOps:
-    if backend == "cpu":  # the torch references, with C kernels for decode attention and the KV store
-        from .paged_attention_cpu import paged_attention_decode_cpu
+    if backend == "cpu":  # C kernels for attention and the KV store (each falls back to its reference)
+        from .paged_attention_cpu import paged_attention_decode_cpu, paged_attention_prefill_cpu
         from .cpu_store_kv import store_kv_cpu
 
         return AttentionOps(
             store_kv=store_kv_cpu,
             paged_attention_decode=paged_attention_decode_cpu,
-            paged_attention_prefill=_load("paged_attention_prefill", "torch"),
+            paged_attention_prefill=paged_attention_prefill_cpu,
             copy_blocks=_load("copy_blocks", "torch"),
             name="cpu",
         )
@@ -93,7 +95,7 @@ def get_attention_ops(backend: str = "auto", device: torch.device | str = "cpu")
       references elsewhere.
     * ``"triton"``: force Triton. On CPU this is only valid with ``TRITON_INTERPRET=1`` (tests).
     * ``"torch"``: force the torch references (any device).
-    * ``"cpu"``: the torch references with the C decode-attention kernel (CPU devices only).
+    * ``"cpu"``: the C attention and KV-store kernels, torch elsewhere (CPU devices only).
     """
     from ._common import interpret_mode, require_triton, triton_available
 
@@ -126,10 +128,10 @@ def __getattr__(name: str) -> Any:  # lazy access to the per-op functions, e.g. 
         from . import _native
 
         return getattr(_native, name)
-    if name == "paged_attention_decode_cpu":
-        from .paged_attention_cpu import paged_attention_decode_cpu
+    if name in ("paged_attention_decode_cpu", "paged_attention_prefill_cpu"):
+        from . import paged_attention_cpu
 
-        return paged_attention_decode_cpu
+        return getattr(paged_attention_cpu, name)
     if name == "store_kv_cpu":
         from .cpu_store_kv import store_kv_cpu
 

@@ -8,8 +8,8 @@ returns None and callers keep the torch path (a warning says why, once).
 
 csrc/paged_attention_cpu.c holds paged decode attention (float32 / bfloat16), the KV store, and a
 float32 / bfloat16 linear for a few rows (decode of beams, samples and small batches);
-csrc/elementwise_cpu.c the decoder layer's fused elementwise ops (residual add + RMSNorm,
-SiLU-and-multiply, rotary embedding). All sources (and the shared header ps_cpu.h) build into one
+csrc/prefill_attention_cpu.c float32 paged prefill (causal) attention; csrc/elementwise_cpu.c the
+decoder layer's fused elementwise ops (residual add + RMSNorm, SiLU-and-multiply, rotary embedding). All sources (and the shared header ps_cpu.h) build into one
 library.
 
 Links against OpenMP by soname (``libgomp.so.1``): torch's own copy is already loaded in the
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c")
 HEADERS = (CSRC / "ps_cpu.h",)
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
@@ -47,6 +47,10 @@ _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_i
 # q, k_cache, v_cache, block_tables, seq_lens, out; B, Hq, Hkv, D, BS, bt_stride, num_blocks;
 # q_sb, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_sb, o_sh; scale; nthreads -> 1 on a bad block id
 DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
+# q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, workspace; workspace floats, S,
+# Hq, Hkv, D, BS, bt_stride, num_blocks; q_st, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_st, o_sh;
+# scale; nthreads -> 1 on a bad block id, 2 on a short workspace, 3 on more queries than positions
+PREFILL_ARGTYPES = [_P] * 8 + [_I64] * 8 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
 # x, weight, bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
 LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
 # key, value, k_cache, v_cache, slots (int64); T, row bytes, key/value token strides, cache slot
@@ -66,6 +70,7 @@ class NativeKernels:
 
     decode_f32: ctypes._CFuncPtr
     decode_bf16: ctypes._CFuncPtr
+    prefill_f32: ctypes._CFuncPtr  # float32 only (see csrc/prefill_attention_cpu.c)
     linear_f32: ctypes._CFuncPtr
     linear_bf16: ctypes._CFuncPtr | None  # None without AVX512-BF16 (F.linear then)
     store_kv: ctypes._CFuncPtr
@@ -74,6 +79,8 @@ class NativeKernels:
     max_group: int  # query heads per KV head
     max_head_dim: int
     max_block_size: int
+    max_prefill_head_dim: int
+    prefill_head_dim_multiple: int
     path: Path
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
@@ -139,6 +146,8 @@ def _load(path: Path) -> NativeKernels:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = DECODE_ARGTYPES, ctypes.c_int64
         funcs.append(fn)
+    lib.ps_paged_prefill_f32.argtypes, lib.ps_paged_prefill_f32.restype = PREFILL_ARGTYPES, ctypes.c_int64
+    funcs.append(lib.ps_paged_prefill_f32)
     for name in ("ps_linear_f32", "ps_linear_bf16"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = LINEAR_ARGTYPES, None
     elementwise = {}
@@ -148,12 +157,14 @@ def _load(path: Path) -> NativeKernels:
             fn = getattr(lib, f"ps_{op}_{dtype}")
             fn.argtypes, fn.restype = argtypes, None
             elementwise[f"{op}_{dtype}"] = fn
-    for name in ("ps_max_g", "ps_max_d", "ps_max_bs", "ps_linear_max_rows", "ps_linear_bf16_available"):
+    for name in ("ps_max_g", "ps_max_d", "ps_max_bs", "ps_linear_max_rows", "ps_linear_bf16_available",
+                 "ps_prefill_max_d", "ps_prefill_d_multiple"):
         getattr(lib, name).restype = ctypes.c_int64
     linear_bf16 = lib.ps_linear_bf16 if lib.ps_linear_bf16_available() else None
     lib.ps_store_kv.argtypes, lib.ps_store_kv.restype = STORE_KV_ARGTYPES, ctypes.c_int64
     return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, elementwise,
-                         lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(), path)
+                         lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
+                         lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path)
 
 
 @functools.cache

@@ -1,13 +1,16 @@
-"""paged_attention_decode on CPU through the C kernel in csrc/paged_attention_cpu.c.
+"""Paged attention on CPU through the C kernels: decode (csrc/paged_attention_cpu.c) and prefill
+(csrc/prefill_attention_cpu.c).
 
     paged_attention_decode_cpu(query[B,Hq,D], k_cache, v_cache, block_tables[B,max_blocks],
                                seq_lens[B], scale) -> out[B,Hq,D]
+    paged_attention_prefill_cpu(query[T,Hq,D], k_cache, v_cache, block_tables[S,max_blocks],
+                                seq_lens[S], query_start_loc[S+1], scale) -> out[T,Hq,D]
 
-The same signature and contract as :func:`kernels.paged_attention_decode_torch` (the reference);
-the launcher checks shapes and strides and hands raw pointers to the C kernel, which checks the
-block ids it will read before reading any.
-Anything the C kernel does not cover (float16, a group or head larger than it was built for, or
-no C compiler) goes to the torch reference, so this function is always safe to call.
+The same signatures and contracts as :func:`kernels.paged_attention_decode_torch` and
+:func:`kernels.paged_attention_prefill_torch` (the references); the launchers check shapes and
+strides and hand raw pointers to the C kernels, which check the block ids they will read before
+reading any. Anything a C kernel does not cover (float16, a group or head larger than it was built
+for, or no C compiler) goes to the torch reference, so these functions are always safe to call.
 
 Shared prefixes (forks, beams, cache hits) go through the C kernel too: it reads a shared block
 once per sequence, but from cache, and measured faster than the reference's cascade path (which
@@ -22,8 +25,11 @@ import torch
 from ._common import cdiv
 from ._native import NativeKernels, native_kernels
 from .paged_attention_decode import _validate, paged_attention_decode_torch
+from .paged_attention_prefill import _validate as _validate_prefill
+from .paged_attention_prefill import check_sequences, paged_attention_prefill_torch
 
 _OP = "paged_attention_decode"
+_PREFILL_OP = "paged_attention_prefill"
 
 
 def paged_attention_decode_cpu(
@@ -72,4 +78,60 @@ def _supported(native: NativeKernels, query, k_cache, v_cache, group: int, d: in
         and query.dtype in (torch.float32, torch.bfloat16)
         and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         and group <= native.max_group and d <= native.max_head_dim and bs <= native.max_block_size
+    )
+
+
+def paged_attention_prefill_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal prefill attention over the paged KV cache with the CPU C kernel (torch fallback).
+
+    Float32 only: bfloat16 goes to the reference, whose SDPA runs on AMX (measured ~2x faster than
+    the kernel's float32 FMAs). Sums run in another order than SDPA's: results agree to float32
+    rounding."""
+    t, hq, d, s, nb, bs, hkv = _validate_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    native = native_kernels()
+    if native is None or not _prefill_supported(native, query, k_cache, v_cache, d):
+        return paged_attention_prefill_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    qsl, lens = check_sequences(query_start_loc, seq_lens, t, block_tables.shape[1], bs)
+    out = query.new_empty((t, hq, d))
+    if t == 0:
+        return out
+    # The kernel's float32 copy of K and V: each sequence with queries, rounded up to 16 positions.
+    ws_floats = sum(cdiv(n, 16) * 16 for i, n in enumerate(lens) if qsl[i + 1] > qsl[i]) * 2 * hkv * d
+    ws = torch.empty(ws_floats, dtype=torch.float32)
+    table = block_tables.to(torch.int32)
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    q = query if query.stride(-1) == 1 else query.contiguous()
+    # Held in names until the call returns: only their raw pointers travel.
+    lens_t, qsl_t = seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous()
+    err = native.prefill_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+        lens_t.data_ptr(), qsl_t.data_ptr(),
+        out.data_ptr(), ws.data_ptr(), ws_floats, s, hq, hkv, d, bs, table.stride(0), nb,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        float(scale), torch.get_num_threads())
+    if err == 1:  # the kernel checks every block id it would read before reading any
+        raise IndexError(f"{_PREFILL_OP}: block_tables holds block ids outside [0, {nb})")
+    if err:  # the launcher's own checks rule these out: reaching here is a bug, never silent
+        raise RuntimeError(f"{_PREFILL_OP}: C kernel refused its arguments (code {err})")
+    return out
+
+
+def _prefill_supported(native: NativeKernels, query, k_cache, v_cache, d: int) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        and d <= native.max_prefill_head_dim and d % native.prefill_head_dim_multiple == 0
     )

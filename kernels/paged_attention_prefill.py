@@ -64,6 +64,27 @@ def _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
     return t, hq, d, s, nb, bs, hkv
 
 
+def check_sequences(query_start_loc, seq_lens, t: int, width: int, bs: int) -> tuple[list[int], list[int]]:
+    """query_start_loc and seq_lens as lists, after the per-sequence rules every CPU path checks
+    before reading the cache: query rows split 0 .. T in order, and each sequence with queries has
+    at most seq_len of them and block-table columns for all its positions."""
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    s = len(lens)
+    if qsl[0] != 0 or qsl[-1] != t or any(qsl[i + 1] < qsl[i] for i in range(s)):
+        raise ValueError(f"{_OP}: query_start_loc must be non-decreasing from 0 to T={t}, got {qsl}")
+    for i in range(s):
+        q_len, kv_len = qsl[i + 1] - qsl[i], lens[i]
+        if q_len == 0:
+            continue  # not read at all
+        if q_len > kv_len:
+            raise ValueError(f"{_OP}: sequence {i} has {q_len} queries but seq_len {kv_len}")
+        if cdiv(kv_len, bs) > width:
+            raise ValueError(
+                f"{_OP}: seq_len {kv_len} needs {cdiv(kv_len, bs)} blocks but block_tables has {width} columns"
+            )
+    return qsl, lens
+
+
 # --------------------------------------------------------------------------- torch reference
 
 
@@ -88,10 +109,7 @@ def paged_attention_prefill_torch(
         return out
     g = hq // hkv
     dev = query.device
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    if qsl[0] != 0 or qsl[-1] != t or any(qsl[i + 1] < qsl[i] for i in range(s)):
-        raise ValueError(f"{_OP}: query_start_loc must be non-decreasing from 0 to T={t}, got {qsl}")
+    qsl, lens = check_sequences(query_start_loc, seq_lens, t, block_tables.shape[1], bs)
     kf = k_cache.flatten(0, 1)  # [NB*BS, Hkv, D], a view for the engine's contiguous caches
     vf = v_cache.flatten(0, 1)
     arange_bs = torch.arange(bs, device=dev)
@@ -101,13 +119,7 @@ def paged_attention_prefill_torch(
         q_len, kv_len = q1 - q0, lens[i]
         if q_len == 0:
             continue
-        if q_len > kv_len:
-            raise ValueError(f"{_OP}: sequence {i} has {q_len} queries but seq_len {kv_len}")
         nblk = cdiv(kv_len, bs)
-        if nblk > block_tables.shape[1]:
-            raise ValueError(
-                f"{_OP}: seq_len {kv_len} needs {nblk} blocks but block_tables has {block_tables.shape[1]} columns"
-            )
         slots = (block_tables[i, :nblk].to(torch.int64).unsqueeze(1) * bs + arange_bs).view(-1)[:kv_len]
         k = kf.index_select(0, slots).transpose(0, 1).unsqueeze(1).expand(hkv, g, kv_len, d)
         v = vf.index_select(0, slots).transpose(0, 1).unsqueeze(1).expand(hkv, g, kv_len, d)

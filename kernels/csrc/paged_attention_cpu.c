@@ -212,18 +212,6 @@ PS_DEFINE_ITEM_AVX(ps_item_avx_f32, float, PS_LOADV_F32, PS_STOREV_F32)
 PS_DEFINE_ITEM_AVX(ps_item_avx_bf16, uint16_t, PS_LOADV_BF16, PS_STOREV_BF16)
 #endif
 
-/* The kernel trusts every block id it reads: check those (and only those, the ones covering
- * [0, lens[b])) are in the pool [0, NB) before any is read. One serial pass over B x blocks ids. */
-static int ps_bad_block_ids(const int32_t *bt, const int32_t *lens, int64_t B, int64_t BS, int64_t bt_stride,
-                            int64_t NB) {
-    for (int64_t b = 0; b < B; ++b) {
-        const int64_t nblk = lens[b] > 0 ? (lens[b] + BS - 1) / BS : 0;
-        for (int64_t j = 0; j < nblk; ++j)
-            if (bt[b * bt_stride + j] < 0 || bt[b * bt_stride + j] >= NB) return 1;
-    }
-    return 0;
-}
-
 /* One work item through the best copy: with AVX-512 and head_dim a multiple of 16, the vector item
  * (specialised for head_dim 64 / block_size 16 with 1-4 query heads per KV head: SmolLM2 has 3,
  * Llama-3 and Qwen2 4 or more); otherwise the portable item (specialised for 64 / 128 with BS 16). */

@@ -61,6 +61,18 @@ static inline uint16_t ps_f32_to_bf16(float x) {
     return b;
 }
 
+/* The attention kernels trust every block id they read: check those (and only those, the ones covering
+ * [0, lens[b])) are in the pool [0, NB) before any is read. One serial pass over B x blocks ids. */
+static inline int ps_bad_block_ids(const int32_t *bt, const int32_t *lens, int64_t B, int64_t BS, int64_t bt_stride,
+                            int64_t NB) {
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t nblk = lens[b] > 0 ? (lens[b] + BS - 1) / BS : 0;
+        for (int64_t j = 0; j < nblk; ++j)
+            if (bt[b * bt_stride + j] < 0 || bt[b * bt_stride + j] >= NB) return 1;
+    }
+    return 0;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PS_AVX512 1
 #include <immintrin.h>

@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 def test_default_backend_on_cpu_is_cpu(tiny_model_factory):
     llm = LLM(model=str(tiny_model_factory("llama")), num_kv_blocks=32)
-    assert llm.engine.runner.ops.name == "cpu"  # torch references + the C decode kernel
+    assert llm.engine.runner.ops.name == "cpu"  # the C attention and KV-store kernels
 
 
 def test_forced_triton_backend_gives_the_same_tokens(tiny_model_factory):

@@ -25,7 +25,7 @@ def test_torch_backend_and_auto_on_cpu():
     cpu = get_attention_ops("auto", torch.device("cpu"))  # torch + the C decode and store kernels
     assert cpu.name == "cpu" and get_attention_ops().name == "cpu"
     assert cpu.store_kv is kernels.store_kv_cpu and cpu.paged_attention_decode is kernels.paged_attention_decode_cpu
-    assert cpu.paged_attention_prefill is kernels.paged_attention_prefill_torch
+    assert cpu.paged_attention_prefill is kernels.paged_attention_prefill_cpu
     with pytest.raises(Exception):
         ops.name = "x"  # frozen
 

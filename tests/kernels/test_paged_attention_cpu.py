@@ -1,4 +1,4 @@
-"""The CPU C kernel for decode attention against the torch reference and naive float64 attention.
+"""The CPU C kernels for decode and prefill attention against the torch references and naive float64 attention.
 
 Poisoned caches (NaN in every slot past a sequence, padded block tables with a NaN block or -1)
 make any read past seq_len show up as NaN in the output.
@@ -11,8 +11,9 @@ from kernels_testlib import TOL, PagedKV, naive_attention
 
 import kernels
 from kernels import _native
-from kernels.paged_attention_cpu import paged_attention_decode_cpu
+from kernels.paged_attention_cpu import paged_attention_decode_cpu, paged_attention_prefill_cpu
 from kernels.paged_attention_decode import paged_attention_decode_torch
+from kernels.paged_attention_prefill import paged_attention_prefill_torch
 
 HKV = 2
 
@@ -104,7 +105,7 @@ def test_bad_block_ids_raise_instead_of_reading_outside_the_pool(native):
 def test_auto_backend_on_cpu_is_the_cpu_set():
     ops = kernels.get_attention_ops("auto", "cpu")
     assert ops.name == "cpu" and ops.paged_attention_decode is paged_attention_decode_cpu
-    assert ops.paged_attention_prefill is kernels.paged_attention_prefill_torch
+    assert ops.paged_attention_prefill is paged_attention_prefill_cpu is kernels.paged_attention_prefill_cpu
     with pytest.raises(ValueError, match="CPU devices only"):
         kernels.get_attention_ops("cpu", "meta")
 
@@ -136,3 +137,103 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     assert _native._build(_native._compiler()) == first and first.stat().st_mtime_ns == mtime
     assert first.is_relative_to(tmp_path / "prefixserve" / "kernels")
     assert [p.name for p in first.parent.iterdir()] == ["libprefixserve_cpu.so"]  # no temp files left
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def _prefill_case(shapes, hkv, g, d, bs, dtype=torch.float32, seed=0, num_layers=1):
+    """A poisoned paged cache for (q_len, seq_len) per sequence, queries and query_start_loc."""
+    kv = PagedKV([n for _, n in shapes], hkv, d, bs, dtype, seed=seed, num_layers=num_layers)
+    qsl = [0]
+    for q_len, _ in shapes:
+        qsl.append(qsl[-1] + q_len)
+    query = torch.randn((qsl[-1], hkv * g, d), generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return kv, query, torch.tensor(qsl, dtype=torch.int32)
+
+
+def _naive_prefill(kv, query, qsl, scale, layer=0):
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for s, n in enumerate(kv.seq_lens):
+        q0, q1 = int(qsl[s]), int(qsl[s + 1])
+        if q1 > q0:
+            out[q0:q1] = naive_attention(query[q0:q1], kv.k[s][layer], kv.v[s][layer], scale, range(n - (q1 - q0), n))
+    return out
+
+
+def _prefill_shapes(bs):
+    """Fresh prompts, cached prefixes, chunks, single tokens, a sequence without queries, and rows
+    that fill several 32-row work items (a partial last one included)."""
+    return [(1, 1), (bs + 3, bs + 3), (5, 2 * bs + 3), (0, 4), (bs, 3 * bs), (1, bs + 1), (70, 70), (33, 130)]
+
+
+# Every query-heads-per-KV-head count the items must split (1, 3, 16 rows per query), head dims the
+# kernel specialises (64, 128) or not (32, 80, 256 = its limit), and blocks smaller, equal to and
+# larger than its 16-key tiles.
+@pytest.mark.parametrize("g,d,bs", [(1, 64, 16), (3, 64, 16), (4, 128, 32), (2, 80, 8), (8, 32, 16),
+                                    (3, 256, 16), (16, 64, 8), (5, 72, 32)])
+def test_cpu_prefill_matches_naive_and_reference(native, g, d, bs):
+    kv, query, qsl = _prefill_case(_prefill_shapes(bs), HKV, g, d, bs, seed=g + d + bs, num_layers=2)
+    scale = d**-0.5
+    for layer in (0, 1):  # layer 1: cache views with a non-zero offset and the pool's strides
+        k_cache, v_cache = kv.caches(layer)
+        out = paged_attention_prefill_cpu(query, k_cache, v_cache, kv.block_tables, kv.seq_lens_t, qsl, scale)
+        assert out.shape == query.shape and out.dtype == torch.float32
+        ref = paged_attention_prefill_torch(query, k_cache, v_cache, kv.block_tables, kv.seq_lens_t, qsl, scale)
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+        torch.testing.assert_close(out.double(), _naive_prefill(kv, query, qsl, scale, layer), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_prefill_random_batches(native, seed):
+    """Random batches as the scheduler makes them: mixed chunk sizes after random cached prefixes."""
+    rnd = torch.Generator().manual_seed(seed)
+    shapes = []
+    for _ in range(int(torch.randint(1, 7, (1,), generator=rnd))):
+        q_len = int(torch.randint(0, 90, (1,), generator=rnd))
+        shapes.append((q_len, q_len + int(torch.randint(0, 60, (1,), generator=rnd)) + (q_len == 0)))
+    hkv, g = [(1, 8), (3, 3), (2, 4)][seed % 3]
+    kv, query, qsl = _prefill_case(shapes, hkv, g, 64, 16, seed=seed)
+    args = (query, *kv.caches(), kv.block_tables, kv.seq_lens_t, qsl, 0.125)
+    torch.testing.assert_close(paged_attention_prefill_cpu(*args), paged_attention_prefill_torch(*args),
+                               **TOL[torch.float32])
+
+
+def test_cpu_prefill_int64_metadata_and_strided_query(native):
+    kv, _, qsl = _prefill_case([(20, 20), (7, 40)], HKV, 3, 64, 16, seed=8)
+    qkv = torch.randn(27, HKV * 3 + 2 * HKV, 64)
+    query = qkv[:, : HKV * 3]  # the model's q: a strided view of the qkv projection
+    args = (query, *kv.caches(), kv.block_tables.long(), kv.seq_lens_t.long(), qsl.long(), 0.125)
+    torch.testing.assert_close(paged_attention_prefill_cpu(*args), paged_attention_prefill_torch(*args),
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float16, 64), (torch.float32, 36)])
+def test_cpu_prefill_falls_back_to_reference(native, monkeypatch, dtype, d):
+    """bfloat16 (SDPA on AMX is faster), float16, and head dims the kernel does not take."""
+    import kernels.paged_attention_cpu as mod
+
+    calls = []
+    monkeypatch.setattr(mod, "paged_attention_prefill_torch",
+                        lambda *a: calls.append(a) or paged_attention_prefill_torch(*a))
+    kv, query, qsl = _prefill_case([(9, 9), (4, 30)], HKV, 2, d, 16, dtype=dtype, seed=9)
+    out = paged_attention_prefill_cpu(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, qsl, 0.125)
+    assert len(calls) == 1
+    torch.testing.assert_close(out.double(), _naive_prefill(kv, query, qsl, 0.125), **TOL[dtype])
+
+
+def test_cpu_prefill_bad_block_ids_raise_and_idle_sequences_are_not_read(native):
+    kv, query, qsl = _prefill_case([(20, 20), (0, 9), (3, 9)], HKV, 3, 64, 16, seed=10)
+    tables = kv.block_tables.clone()
+    tables[1, 0] = -5  # the sequence without queries is never read: no error, as in the reference
+    args = (query, *kv.caches(), tables, kv.seq_lens_t, qsl, 0.125)
+    torch.testing.assert_close(paged_attention_prefill_cpu(*args), paged_attention_prefill_torch(*args))
+    tables[0, 1] = kv.num_blocks + 3
+    with pytest.raises(IndexError, match="block ids outside"):
+        paged_attention_prefill_cpu(query, *kv.caches(), tables, kv.seq_lens_t, qsl, 0.125)
+
+
+def test_cpu_prefill_empty_and_no_queries(native):
+    kv, query, qsl = _prefill_case([(0, 5), (0, 3)], HKV, 2, 64, 16, seed=11)
+    out = paged_attention_prefill_cpu(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, qsl, 0.125)
+    assert out.shape == (0, HKV * 2, 64)

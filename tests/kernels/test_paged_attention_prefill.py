@@ -2,9 +2,15 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, HAS_TRITON, TOL, PagedKV, config_grid, naive_attention, needs_triton, poison_outputs
 
+from kernels.paged_attention_cpu import paged_attention_prefill_cpu
 from kernels.paged_attention_prefill import _launch, paged_attention_prefill_torch, paged_attention_prefill_triton
 
 HKV = 2
+# Every implementation of the op, for the tests all of them must pass (the C kernel runs on CPU only).
+_FN = {"torch": paged_attention_prefill_torch, "triton": paged_attention_prefill_triton,
+       "cpu": paged_attention_prefill_cpu}
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton),
+            pytest.param("cpu", marks=pytest.mark.skipif(DEVICE.type != "cpu", reason="C kernel: CPU only"))]
 
 
 def _shapes(bs):
@@ -93,7 +99,7 @@ def test_triton_small_tiles(g, dtype, monkeypatch):
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_layer_view_and_strided_query(backend, monkeypatch):
     poison_outputs(monkeypatch)
     g, d, bs = 2, 32, 8
@@ -101,8 +107,7 @@ def test_layer_view_and_strided_query(backend, monkeypatch):
     qkv = torch.randn((10, HKV * g + 2 * HKV, d), device=DEVICE)
     query = qkv[:, : HKV * g]
     k_cache, v_cache = kv.caches(layer=1)
-    fn = paged_attention_prefill_torch if backend == "torch" else paged_attention_prefill_triton
-    out = fn(query, k_cache, v_cache, kv.block_tables, kv.seq_lens_t, qsl, 0.2)
+    out = _FN[backend](query, k_cache, v_cache, kv.block_tables, kv.seq_lens_t, qsl, 0.2)
     expected = _naive_prefill(kv, query, qsl, 0.2, layer=1)
     torch.testing.assert_close(out.cpu().double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -134,13 +139,12 @@ _BAD = {
 
 
 @pytest.mark.parametrize("bad", list(_BAD))
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_validation(bad, backend):
     args = _valid_args()
     _BAD[bad](args)
-    fn = paged_attention_prefill_torch if backend == "torch" else paged_attention_prefill_triton
     with pytest.raises(ValueError, match="paged_attention_prefill"):
-        fn(**args)
+        _FN[backend](**args)
 
 
 @pytest.mark.parametrize(
@@ -152,11 +156,12 @@ def test_validation(bad, backend):
         dict(seq_lens=torch.tensor([2, 17], dtype=torch.int32)),  # needs 3 blocks, table has 2
     ],
 )
-def test_reference_rejects_inconsistent_metadata(change):
+@pytest.mark.parametrize("backend", ["torch", BACKENDS[2]])
+def test_cpu_paths_reject_inconsistent_metadata(change, backend):
     args = _valid_args()
     args.update({k: v.to(DEVICE) for k, v in change.items()})
     with pytest.raises(ValueError, match="paged_attention_prefill"):
-        paged_attention_prefill_torch(**args)
+        _FN[backend](**args)
 
 
 @needs_triton
