@@ -17,6 +17,7 @@ from engine.beam_search import BeamSearch
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.detokenizer import Detokenizer, stream_safe_text
 from engine.errors import ContextLengthExceededError, InvalidConfigError, InvalidRequestError
+from engine.host_malloc import tune_host_malloc
 from engine.kv_tiers import build_kv_tiers, tier_stats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.config import ModelConfig, load_model_config
@@ -75,6 +76,8 @@ class Engine:
         self.max_model_len = _max_model_len(config, self.model_config)
         self.tokenizer = _load_tokenizer(folder)
         _freeze_import_time_objects()
+        if self.device.type == "cpu":
+            tune_host_malloc()
         self.detokenizer = Detokenizer(self.tokenizer)
         model = load_model(folder, self.model_config, self.dtype, self.device)
         num_blocks = self._num_kv_blocks()
