@@ -23,12 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from kernels import NativeKernels, native_kernels
 from kernels.linear_cpu import rows_covered
+from kernels.onednn_linear import onednn_linear
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class CpuDecodeStack:
         self.decode_fn = native.decode_for(dtype)
         self.linear_fn = native.linear_for(dtype)
         self.store_kv_fn = native.store_kv
-        self.linear_rows = rows_covered(native, dtype)  # Linear's policy; other row counts go to F.linear
+        self.linear_rows = rows_covered(native, dtype)  # Linear's policy; other row counts go to oneDNN / F.linear
 
         def proj(linear):
             return linear.weight, linear.bias
@@ -143,7 +143,7 @@ class CpuDecodeStack:
                 nthreads: int) -> torch.Tensor:
         weight, bias = proj
         if not use_c:
-            return F.linear(x, weight, bias)
+            return onednn_linear(x, weight, bias)  # F.linear where oneDNN does not cover it
         n, k = weight.shape
         out = torch.empty((x.shape[0], n), dtype=self.dtype)
         self.linear_fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),

@@ -78,3 +78,20 @@ def test_c_linear_covers_only_small_cpu_batches():
     bf16_kernel = native_kernels() is not None and native_kernels().linear_bf16 is not None
     assert covers(torch.empty(4, 4, dtype=torch.bfloat16), w.bfloat16()) == bf16_kernel
     assert not covers(torch.empty(BF16_MAX_ROWS + 1, 4, dtype=torch.bfloat16), w.bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64])
+def test_float32_rows_outside_the_c_kernel_go_to_onednn(rows, monkeypatch):
+    from kernels import onednn_linear
+
+    if not onednn_linear.onednn_linear_available():
+        pytest.skip("torch build without oneDNN, or not x86")
+    calls = []
+    real = onednn_linear.linear_covered
+    monkeypatch.setattr(onednn_linear, "linear_covered", lambda *a: calls.append(a[0].shape) or real(*a))
+    layer = Linear(96, 160, bias=True)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        out = layer(x)
+    assert calls == [(rows, 96)]
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
