@@ -229,6 +229,7 @@ def test_redis_killed_or_hung_mid_run_every_request_completes(tiny):
         assert engine.flush_kv_writes() and engine.stats()["kv_redis_writes"] > 0
         server.kill()
         outs += _run(llm, prompts[3:6])
+        engine.flush_kv_writes()  # the writer thread has tried (and failed) every queued write by now
         assert engine.stats()["kv_redis_failures"] >= 1
         server.start()  # back, on the same port
         server.pause()  # ... but hung
