@@ -3,13 +3,14 @@
 Each op has a Triton kernel (``<op>_triton``) and a torch reference with the same signature
 (``<op>_torch``). The CPU production set ("cpu") is C kernels for decode and prefill attention and
 the KV store (``paged_attention_decode_cpu``, ``paged_attention_prefill_cpu``, ``store_kv_cpu``,
-built at first use; each falls back to its reference when no C compiler is present, and prefill to
-SDPA in bfloat16) plus the torch block copy. Pick a set with
+built at first use; each falls back to its reference when no C compiler is present, and prefill in
+bfloat16 to SDPA on CPUs with AMX) plus the torch block copy. Pick a set with
 :func:`get_attention_ops`. See docs/CONTRACTS.md for the KV layout and op signatures.
 
-Outside the attention sets, the model calls two CPU launcher modules directly, each with a torch
+Outside the attention sets, the model calls three CPU launcher modules directly, each with a torch
 reference of the same signature and a fallback to it off CPU: ``kernels.linear_cpu`` (small-batch
-linears) and ``kernels.elementwise`` (residual add + RMSNorm, SiLU-and-multiply, rotary).
+linears), ``kernels.onednn_linear`` (other float32 linears, through oneDNN rather than MKL) and
+``kernels.elementwise`` (residual add + RMSNorm, SiLU-and-multiply, rotary).
 
 This module stays light on purpose: it imports only torch, never triton, and never touches CUDA at
 import time. (Our top-level name ``kernels`` coincides with Hugging Face's unrelated ``kernels``

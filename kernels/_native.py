@@ -70,7 +70,8 @@ class NativeKernels:
 
     decode_f32: ctypes._CFuncPtr
     decode_bf16: ctypes._CFuncPtr
-    prefill_f32: ctypes._CFuncPtr  # float32 only (see csrc/prefill_attention_cpu.c)
+    prefill_f32: ctypes._CFuncPtr
+    prefill_bf16: ctypes._CFuncPtr  # float32 math on bfloat16 operands (see csrc/prefill_attention_cpu.c)
     linear_f32: ctypes._CFuncPtr
     linear_bf16: ctypes._CFuncPtr | None  # None without AVX512-BF16 (F.linear then)
     store_kv: ctypes._CFuncPtr
@@ -91,6 +92,9 @@ class NativeKernels:
 
     def decode_for(self, dtype) -> ctypes._CFuncPtr:
         return self.decode_f32 if DTYPE_SUFFIX[dtype] == "f32" else self.decode_bf16
+
+    def prefill_for(self, dtype) -> ctypes._CFuncPtr:
+        return self.prefill_f32 if DTYPE_SUFFIX[dtype] == "f32" else self.prefill_bf16
 
     def linear_for(self, dtype) -> ctypes._CFuncPtr | None:
         return self.linear_f32 if DTYPE_SUFFIX[dtype] == "f32" else self.linear_bf16
@@ -113,6 +117,12 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """The CPU has AMX for bfloat16 (Intel Sapphire Rapids and later): torch's oneDNN paths use it."""
+    return "amx_bf16" in _cpu_flags().split()
 
 
 def _compiler() -> str | None:
@@ -146,8 +156,10 @@ def _load(path: Path) -> NativeKernels:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = DECODE_ARGTYPES, ctypes.c_int64
         funcs.append(fn)
-    lib.ps_paged_prefill_f32.argtypes, lib.ps_paged_prefill_f32.restype = PREFILL_ARGTYPES, ctypes.c_int64
-    funcs.append(lib.ps_paged_prefill_f32)
+    for name in ("ps_paged_prefill_f32", "ps_paged_prefill_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = PREFILL_ARGTYPES, ctypes.c_int64
+        funcs.append(fn)
     for name in ("ps_linear_f32", "ps_linear_bf16"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = LINEAR_ARGTYPES, None
     elementwise = {}

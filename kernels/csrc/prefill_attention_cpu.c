@@ -26,8 +26,10 @@
  *        [ K head 0: Lp x D | K head 1 | ... | K head Hkv-1 | V head 0 | ... | V head Hkv-1 ]
  *
  * Written with GCC vector types, so the same source builds with AVX-512 (one vector = one zmm, exp
- * through ps_exp16) or without it (gcc splits the vectors). Float32 only: for bfloat16, torch's
- * SDPA runs its products on AMX and measured ~2x faster than these float32 FMAs could.
+ * through ps_exp16) or without it (gcc splits the vectors). bfloat16 q / caches / out take the same
+ * float32 math: the gather widens K and V once, q is widened as it is loaded and out rounded once
+ * (round to nearest even) as it is stored. torch's SDPA does the same in bfloat16 and, on this
+ * project's AVX-512 machine without AMX, measured no faster than in float32 (2.6-3x slower than this).
  */
 #include <stdlib.h>
 
@@ -60,15 +62,26 @@ static inline ps_v16 ps_v16_exp(ps_v16 x) {
 #endif
 }
 
+/* Element i of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array, as float32; and the store back. */
+static inline __attribute__((always_inline)) float ps_pf_load(const void *p, int64_t i, const int bf16) {
+    return bf16 ? ps_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void ps_pf_store(void *p, int64_t i, float x, const int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = ps_f32_to_bf16(x);
+    else ((float *)p)[i] = x;
+}
+
 /* One item: rows r0 .. r0+31 (those < nrows are real; the rest repeat the last real row and are not
  * stored) of KV head h of one sequence; q and out point at the sequence's first token, K and V at the
  * head's gathered rows. Two row vectors per item, so each K or V element broadcast from L1 feeds two
  * FMAs: with one, the broadcasts alone kept both load ports busy (~70% of FMA peak measured).
- * always_inline: the dispatch below makes copies for constant D. */
+ * always_inline: the dispatch below makes copies for constant D and element type (q and out are
+ * float32 or bfloat16 as bf16 says; K and V are the float32 gathered rows either way). */
 static inline __attribute__((always_inline)) void ps_prefill_item(
-    const float *restrict q, const int64_t q_st, const int64_t q_sh, float *restrict out, const int64_t o_st,
+    const void *restrict q, const int64_t q_st, const int64_t q_sh, void *restrict out, const int64_t o_st,
     const int64_t o_sh, const float *restrict K, const float *restrict V, const int64_t offset, const int64_t r0,
-    const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale) {
+    const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale, const int bf16) {
     ps_v16 qt[PS_PF_MAX_D][PS_PF_NV], ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
     int64_t row_o[PS_PF_ROWS]; /* element offset of each lane's output row */
     for (int j = 0; j < PS_PF_NV; ++j) {
@@ -76,7 +89,7 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
             const int64_t r0l = r0 + 16 * j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
             pos[j][l] = (float)(offset + qi);
             row_o[16 * j + l] = qi * o_st + k * o_sh;
-            for (int64_t d = 0; d < D; ++d) qt[d][j][l] = q[qi * q_st + k * q_sh + d] * scale;
+            for (int64_t d = 0; d < D; ++d) qt[d][j][l] = ps_pf_load(q, qi * q_st + k * q_sh + d, bf16) * scale;
         }
         m[j] = ps_v16_set1(-INFINITY);
         lsum[j] = ps_v16_set1(0.0f);
@@ -132,16 +145,21 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
     for (int j = 0; j < PS_PF_NV; ++j) {
         const ps_v16 inv = 1.0f / lsum[j];
         for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l)
-            for (int64_t d = 0; d < D; ++d) out[row_o[16 * j + l] + d] = ot[d][j][l] * inv[l];
+            for (int64_t d = 0; d < D; ++d) ps_pf_store(out, row_o[16 * j + l] + d, ot[d][j][l] * inv[l], bf16);
     }
 }
 
-/* Positions [p0, p1) of KV head h into the gathered rows dst, one row of D per position. */
-static inline void ps_gather(const float *cache, const int32_t *bt_row, int64_t p0, int64_t p1, int64_t BS,
-                             int64_t c_sb, int64_t c_ss, int64_t c_sh, int64_t h, int64_t D, float *dst) {
-    for (int64_t p = p0; p < p1; ++p)
-        memcpy(dst + p * D, cache + (int64_t)bt_row[p / BS] * c_sb + (p % BS) * c_ss + h * c_sh,
-               (size_t)D * sizeof(float));
+/* Positions [p0, p1) of KV head h into the gathered float32 rows dst, one row of D per position
+ * (from a float32 or, bf16 = 1, a bfloat16 cache; strides in elements). */
+static inline __attribute__((always_inline)) void ps_gather(const void *cache, const int32_t *bt_row, int64_t p0,
+                                                            int64_t p1, int64_t BS, int64_t c_sb, int64_t c_ss,
+                                                            int64_t c_sh, int64_t h, int64_t D, float *dst,
+                                                            const int bf16) {
+    for (int64_t p = p0; p < p1; ++p) {
+        const int64_t at = (int64_t)bt_row[p / BS] * c_sb + (p % BS) * c_ss + h * c_sh;
+        if (bf16) ps_load_bf16((const uint16_t *)cache + at, dst + p * D, D);
+        else memcpy(dst + p * D, (const float *)cache + at, (size_t)D * sizeof(float));
+    }
 }
 
 /* The first index i with starts[i + 1] > w (starts: n + 1 non-decreasing offsets, starts[0] = 0). */
@@ -155,18 +173,26 @@ static int64_t ps_owner(const int64_t *starts, int64_t n, int64_t w) {
     return lo;
 }
 
-#define PS_PF_ITEM_ARGS(D_) qs, q_st, q_sh, os, o_st, o_sh, Kh, Vh, len[s] - ql, r0, ql * G, G, h, D_, scale
+#define PS_PF_ITEM_ARGS(D_, BF16_) \
+    qs, q_st, q_sh, os, o_st, o_sh, Kh, Vh, len[s] - ql, r0, ql * G, G, h, D_, scale, BF16_
+#define PS_PF_ITEM_FOR_D(BF16_)                                               \
+    do {                                                                      \
+        if (D == 64) ps_prefill_item(PS_PF_ITEM_ARGS(64, BF16_));             \
+        else if (D == 128) ps_prefill_item(PS_PF_ITEM_ARGS(128, BF16_));      \
+        else ps_prefill_item(PS_PF_ITEM_ARGS(D, BF16_));                      \
+    } while (0)
 
-/* The entry point. Returns 1 (computing nothing) when a block id covering [0, lens[s]) of a sequence
+/* The entry points (float32 and bfloat16 q / caches / out; the same float32 math). Returns 1 (computing nothing) when a block id covering [0, lens[s]) of a sequence
  * with queries is outside [0, NB), 2 when the workspace is too small (or no memory), 3 when a
  * sequence has more queries than positions. Sequences without queries are not read at all. ws must
  * hold sum_s roundup(lens[s], 16) * 2 * Hkv * D floats over the sequences with queries. */
-int64_t ps_paged_prefill_f32(const float *q, const float *kc, const float *vc, const int32_t *bt,
-                             const int32_t *lens, const int32_t *qsl, float *out, float *ws, int64_t ws_floats,
-                             int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride,
-                             int64_t NB, int64_t q_st, int64_t q_sh, int64_t k_sb, int64_t k_ss, int64_t k_sh,
-                             int64_t v_sb, int64_t v_ss, int64_t v_sh, int64_t o_st, int64_t o_sh, float scale,
-                             int nthreads) {
+static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, const int32_t *bt,
+                                const int32_t *lens, const int32_t *qsl, void *out, float *ws, int64_t ws_floats,
+                                int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride,
+                                int64_t NB, int64_t q_st, int64_t q_sh, int64_t k_sb, int64_t k_ss, int64_t k_sh,
+                                int64_t v_sb, int64_t v_ss, int64_t v_sh, int64_t o_st, int64_t o_sh, float scale,
+                                int nthreads, const int bf16) {
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t G = Hq / Hkv;
     int64_t *len = malloc(4 * (S + 1) * sizeof(int64_t)); /* positions read (0: no queries) */
     if (!len) return 2;
@@ -197,8 +223,13 @@ int64_t ps_paged_prefill_f32(const float *q, const float *kc, const float *vc, c
             const int64_t h = c / (lp / 16), p0 = c % (lp / 16) * 16;
             const int64_t p1 = p0 + 16 < len[s] ? p0 + 16 : len[s];
             float *Kh = ws + kv_at[s] + h * lp * D, *Vh = Kh + Hkv * lp * D;
-            ps_gather(kc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, h, D, Kh);
-            ps_gather(vc, bt + s * bt_stride, p0, p1, BS, v_sb, v_ss, v_sh, h, D, Vh);
+            if (bf16) { /* literal element types: each call is specialised (see ps_prefill_item) */
+                ps_gather(kc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, h, D, Kh, 1);
+                ps_gather(vc, bt + s * bt_stride, p0, p1, BS, v_sb, v_ss, v_sh, h, D, Vh, 1);
+            } else {
+                ps_gather(kc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, h, D, Kh, 0);
+                ps_gather(vc, bt + s * bt_stride, p0, p1, BS, v_sb, v_ss, v_sh, h, D, Vh, 0);
+            }
             /* zero padding rows: a masked key's score is -inf, but 0 * NaN would still be NaN */
             memset(Kh + p1 * D, 0, (size_t)((p0 + 16 - p1) * D) * sizeof(float));
             memset(Vh + p1 * D, 0, (size_t)((p0 + 16 - p1) * D) * sizeof(float));
@@ -211,15 +242,33 @@ int64_t ps_paged_prefill_f32(const float *q, const float *kc, const float *vc, c
             const int64_t h = c / groups, r0 = (groups - 1 - c % groups) * PS_PF_ROWS;
             const int64_t lp = (len[s] + 15) / 16 * 16;
             const float *Kh = ws + kv_at[s] + h * lp * D, *Vh = Kh + Hkv * lp * D;
-            const float *qs = q + (int64_t)qsl[s] * q_st;
-            float *os = out + (int64_t)qsl[s] * o_st;
-            if (D == 64) ps_prefill_item(PS_PF_ITEM_ARGS(64));
-            else if (D == 128) ps_prefill_item(PS_PF_ITEM_ARGS(128));
-            else ps_prefill_item(PS_PF_ITEM_ARGS(D));
+            const void *qs = (const char *)q + (int64_t)qsl[s] * q_st * elem;
+            void *os = (char *)out + (int64_t)qsl[s] * o_st * elem;
+            if (bf16) PS_PF_ITEM_FOR_D(1);
+            else PS_PF_ITEM_FOR_D(0);
         }
     }
     free(len);
     return 0;
+}
+
+/* The arguments after out, shared by both entry points. */
+#define PS_PF_TAIL_ARGS                                                                                         \
+    float *ws, int64_t ws_floats, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride,   \
+        int64_t NB, int64_t q_st, int64_t q_sh, int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss, \
+        int64_t v_sh, int64_t o_st, int64_t o_sh, float scale, int nthreads
+#define PS_PF_PASS                                                                                             \
+    bt, lens, qsl, out, ws, ws_floats, S, Hq, Hkv, D, BS, bt_stride, NB, q_st, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, \
+        v_sh, o_st, o_sh, scale, nthreads
+
+int64_t ps_paged_prefill_f32(const float *q, const float *kc, const float *vc, const int32_t *bt,
+                             const int32_t *lens, const int32_t *qsl, float *out, PS_PF_TAIL_ARGS) {
+    return ps_paged_prefill(q, kc, vc, PS_PF_PASS, 0);
+}
+
+int64_t ps_paged_prefill_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *bt,
+                              const int32_t *lens, const int32_t *qsl, uint16_t *out, PS_PF_TAIL_ARGS) {
+    return ps_paged_prefill(q, kc, vc, PS_PF_PASS, 1);
 }
 
 /* The launcher's limits: head_dim a multiple of PS_PF_DB, at most PS_PF_MAX_D. */

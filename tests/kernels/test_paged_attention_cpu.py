@@ -167,21 +167,35 @@ def _prefill_shapes(bs):
     return [(1, 1), (bs + 3, bs + 3), (5, 2 * bs + 3), (0, 4), (bs, 3 * bs), (1, bs + 1), (70, 70), (33, 130)]
 
 
+@pytest.fixture
+def kernel_only(monkeypatch):
+    """Any call that would reach the reference fails, and bfloat16 takes the kernel as on a CPU
+    without AMX (where it does in production), whatever this machine has."""
+    import kernels.paged_attention_cpu as mod
+
+    monkeypatch.setattr(mod, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(mod, "paged_attention_prefill_torch", lambda *a: pytest.fail("reached the reference"))
+
+
 # Every query-heads-per-KV-head count the items must split (1, 3, 16 rows per query), head dims the
 # kernel specialises (64, 128) or not (32, 80, 256 = its limit), and blocks smaller, equal to and
-# larger than its 16-key tiles.
+# larger than its 16-key tiles; bfloat16 is float32 math on widened operands, rounded once.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("g,d,bs", [(1, 64, 16), (3, 64, 16), (4, 128, 32), (2, 80, 8), (8, 32, 16),
                                     (3, 256, 16), (16, 64, 8), (5, 72, 32)])
-def test_cpu_prefill_matches_naive_and_reference(native, g, d, bs):
-    kv, query, qsl = _prefill_case(_prefill_shapes(bs), HKV, g, d, bs, seed=g + d + bs, num_layers=2)
+def test_cpu_prefill_matches_naive_and_reference(native, kernel_only, g, d, bs, dtype):
+    kv, query, qsl = _prefill_case(_prefill_shapes(bs), HKV, g, d, bs, dtype=dtype, seed=g + d + bs, num_layers=2)
     scale = d**-0.5
     for layer in (0, 1):  # layer 1: cache views with a non-zero offset and the pool's strides
         k_cache, v_cache = kv.caches(layer)
         out = paged_attention_prefill_cpu(query, k_cache, v_cache, kv.block_tables, kv.seq_lens_t, qsl, scale)
-        assert out.shape == query.shape and out.dtype == torch.float32
+        assert out.shape == query.shape and out.dtype == dtype
         ref = paged_attention_prefill_torch(query, k_cache, v_cache, kv.block_tables, kv.seq_lens_t, qsl, scale)
-        torch.testing.assert_close(out, ref, **TOL[torch.float32])
-        torch.testing.assert_close(out.double(), _naive_prefill(kv, query, qsl, scale, layer), **TOL[torch.float32])
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+        naive = _naive_prefill(kv, query, qsl, scale, layer)
+        torch.testing.assert_close(out.double(), naive, **TOL[dtype])
+        if dtype == torch.bfloat16:  # one rounding of the float32 result: half a bf16 ulp, at most 2^-8 of it
+            assert ((out.double() - naive).abs() <= naive.abs() * 2.0**-8 + 1e-6).all()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -210,9 +224,11 @@ def test_cpu_prefill_int64_metadata_and_strided_query(native):
 
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float16, 64), (torch.float32, 36)])
 def test_cpu_prefill_falls_back_to_reference(native, monkeypatch, dtype, d):
-    """bfloat16 (SDPA on AMX is faster), float16, and head dims the kernel does not take."""
+    """bfloat16 on an AMX CPU (SDPA's AMX products are faster), float16, and head dims the kernel
+    does not take."""
     import kernels.paged_attention_cpu as mod
 
+    monkeypatch.setattr(mod, "cpu_has_amx", lambda: True)
     calls = []
     monkeypatch.setattr(mod, "paged_attention_prefill_torch",
                         lambda *a: calls.append(a) or paged_attention_prefill_torch(*a))
