@@ -20,7 +20,21 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "cpu_threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "cpu": cpu_model(),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the features our CPU paths choose by (ratios differ between them:
+    MKL's float32 GEMM takes an AVX2 path on AMD; bfloat16 uses AMX where there is one)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(features)})"
 
 
 def write_json(name: str, payload: dict) -> Path:
