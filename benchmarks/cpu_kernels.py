@@ -96,44 +96,35 @@ def prefill_attention_cases(dtype: torch.dtype, repeat: int) -> dict:
 def onednn_linear_cases(dtype: torch.dtype, repeat: int) -> dict:
     from kernels.onednn_linear import covers, linear_covered
 
-    gen = torch.Generator().manual_seed(4)
-    shapes = [((HQ + 2 * HKV) * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS
-    weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes]
-    out = {}
-    for rows in (1, 64, 2048):
-        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTER)}
-        if not covers(xs[HIDDEN], weights[0]):
-            return {}  # bfloat16 (F.linear is oneDNN already), or no oneDNN here
-
-        def step(fn):
-            for w in weights:
-                fn(xs[w.shape[1]], w)
-
-        out[f"onednn linear 30 layers {rows} rows"] = {
-            "c_ms": ms(lambda: step(linear_covered), max(3, repeat // 4)),
-            "torch_ms": ms(lambda: step(F.linear), max(3, repeat // 4)),
-        }
-    return out
+    # bfloat16 (F.linear is oneDNN already) or no oneDNN here: no case
+    return _linear_step_cases("onednn linear 30 layers", covers, linear_covered, dtype, repeat, (1, 64, 2048),
+                              lm_head=False, seed=4)
 
 
 def linear_cases(dtype: torch.dtype, repeat: int) -> dict:
     from kernels.linear_cpu import covers, linear_covered
 
-    gen = torch.Generator().manual_seed(1)
+    return _linear_step_cases("linear step", covers, linear_covered, dtype, repeat, (4, 8, 16), lm_head=True, seed=1)
+
+
+def _linear_step_cases(label: str, covers, ours, dtype: torch.dtype, repeat: int, row_counts, lm_head: bool,
+                       seed: int) -> dict:
+    """All 30 layers' linears (plus the lm_head) at each row count ``ours`` covers, vs F.linear."""
+    gen = torch.Generator().manual_seed(seed)
     shapes = [((HQ + 2 * HKV) * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS
-    weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes + [(VOCAB, HIDDEN)]]
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes + [(VOCAB, HIDDEN)] * lm_head]
     out = {}
-    for rows in (4, 8, 16):
+    for rows in row_counts:
         xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTER)}
         if not covers(xs[HIDDEN], weights[0]):
-            continue  # rows beyond what the C kernel takes for this dtype
+            continue  # rows (or a dtype) ours does not take
 
         def step(fn):
             for w in weights:
                 fn(xs[w.shape[1]], w)
 
-        out[f"linear step {rows} rows"] = {
-            "c_ms": ms(lambda: step(linear_covered), max(3, repeat // 4)),
+        out[f"{label} {rows} rows"] = {
+            "c_ms": ms(lambda: step(ours), max(3, repeat // 4)),
             "torch_ms": ms(lambda: step(F.linear), max(3, repeat // 4)),
         }
     return out
