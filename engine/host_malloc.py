@@ -28,7 +28,6 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its dynamic threshold
 TRIM_THRESHOLD_BYTES = 1 << 30
 
 
-
 def _user_chose_allocator(environ: os._Environ | dict[str, str]) -> bool:
     """glibc's own threshold variables, malloc tunables, or a preloaded tcmalloc/jemalloc/mimalloc."""
     if environ.get("MALLOC_MMAP_THRESHOLD_") or environ.get("MALLOC_TRIM_THRESHOLD_"):

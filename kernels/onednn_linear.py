@@ -59,6 +59,7 @@ def linear_covered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(f"onednn_linear: x has {k} features but weight expects {kw}")
     if bias is not None:
         if bias.shape != (n,) or bias.dtype != x.dtype:
-            raise ValueError(f"onednn_linear: bias must be {x.dtype} of shape ({n},), got {tuple(bias.shape)} {bias.dtype}")
+            raise ValueError(f"onednn_linear: bias must be {x.dtype} of shape ({n},), "
+                             f"got {tuple(bias.shape)} {bias.dtype}")
         bias = bias.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")  # [M, N]

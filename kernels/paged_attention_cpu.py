@@ -104,7 +104,8 @@ def paged_attention_prefill_cpu(
     out = query.new_empty((t, hq, d))
     if t == 0:
         return out
-    # The kernel's float32 copy of K and V (widened from bfloat16): each sequence with queries, rounded up to 16 positions.
+    # The kernel's float32 copy of K and V (widened from bfloat16): each sequence with queries,
+    # rounded up to 16 positions.
     ws_floats = sum(cdiv(n, 16) * 16 for i, n in enumerate(lens) if qsl[i + 1] > qsl[i]) * 2 * hkv * d
     ws = torch.empty(ws_floats, dtype=torch.float32)
     table = block_tables.to(torch.int32)

@@ -23,12 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from kernels import NativeKernels, native_kernels
 from kernels.linear_cpu import rows_covered
-from kernels.onednn_linear import onednn_linear
+from kernels import onednn_linear
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,11 @@ class CpuDecodeStack:
         self.decode_fn = native.decode_for(dtype)
         self.linear_fn = native.linear_for(dtype)
         self.store_kv_fn = native.store_kv
-        self.linear_rows = rows_covered(native, dtype)  # Linear's policy; other row counts go to oneDNN / F.linear
+        self.linear_rows = rows_covered(native, dtype)  # Linear's policy; other row counts go to other_linear
+        # Decided once, not per layer: the stack's weights are contiguous (see build) and it runs
+        # under the runner's inference mode, so oneDNN covers every float32 call when it is here.
+        use_onednn = dtype == torch.float32 and onednn_linear.onednn_linear_available()
+        self.other_linear = onednn_linear.linear_covered if use_onednn else F.linear
 
         def proj(linear):
             return linear.weight, linear.bias
@@ -143,7 +148,7 @@ class CpuDecodeStack:
                 nthreads: int) -> torch.Tensor:
         weight, bias = proj
         if not use_c:
-            return onednn_linear(x, weight, bias)  # F.linear where oneDNN does not cover it
+            return self.other_linear(x, weight, bias)
         n, k = weight.shape
         out = torch.empty((x.shape[0], n), dtype=self.dtype)
         self.linear_fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),

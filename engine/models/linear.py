@@ -10,8 +10,8 @@ In bfloat16 (2-8 rows) it reads the weights at ~20 GB/s where F.linear reached ~
 Other row counts in float32 (1, and above 16) go to oneDNN rather than MKL's sgemm, which takes
 an AVX2 path on AMD CPUs (see kernels/onednn_linear.py: 2.2x at prefill sizes here).
 
-Without a C compiler or oneDNN the earlier fallback stays: W @ x^T for 2-10 rows, which measured faster than
-F.linear there on the machine it was tuned on. The weights stay as loaded ([out, in]), so
+Without a C compiler or oneDNN the earlier fallback stays: W @ x^T for 2-10 rows, which measured
+faster than F.linear there on the machine it was tuned on. The weights stay as loaded ([out, in]), so
 checkpoints load by name unchanged.
 """
 from __future__ import annotations

@@ -182,9 +182,10 @@ static int64_t ps_owner(const int64_t *starts, int64_t n, int64_t w) {
         else ps_prefill_item(PS_PF_ITEM_ARGS(D, BF16_));                      \
     } while (0)
 
-/* The entry points (float32 and bfloat16 q / caches / out; the same float32 math). Returns 1 (computing nothing) when a block id covering [0, lens[s]) of a sequence
- * with queries is outside [0, NB), 2 when the workspace is too small (or no memory), 3 when a
- * sequence has more queries than positions. Sequences without queries are not read at all. ws must
+/* The entry points (float32 and bfloat16 q / caches / out; the same float32 math). Returns 1
+ * (computing nothing) when a block id covering [0, lens[s]) of a sequence with queries is outside
+ * [0, NB), 2 when the workspace is too small (or no memory), 3 when a sequence has more queries
+ * than positions. Sequences without queries are not read at all. ws must
  * hold sum_s roundup(lens[s], 16) * 2 * Hkv * D floats over the sequences with queries. */
 static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, const int32_t *bt,
                                 const int32_t *lens, const int32_t *qsl, void *out, float *ws, int64_t ws_floats,
