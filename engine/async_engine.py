@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine, PromptInput
 from engine.errors import EngineDeadError, InvalidRequestError, PrefixServeError
 from engine.outputs import RequestOutput
+from engine.process_setup import prepare_process
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("prefixserve")
@@ -80,6 +81,7 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        prepare_process(config.device)  # process-wide set-up, once (gc freeze, malloc tuning)
         return cls(Engine(config))
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Engine glue for the slower KV tiers (prefix_cache/tiers.py).
 
 ``build_kv_tiers`` turns an EngineConfig into a ``prefix_cache.KVTiers`` (host slots and/or the
-Redis store), or None when both are off.  ``KVMover`` is the tensor half, owned by the model
+Redis store); with both off it is the null tiers object, a KVTiers with neither, which moves nothing.  ``KVMover`` is the tensor half, owned by the model
 runner: it holds the host slots tensor and performs each step's ``KVTransfers``.
 """
 from __future__ import annotations
@@ -26,9 +26,9 @@ def block_shape(model_config: ModelConfig, block_size: int) -> tuple[int, int, i
 
 def build_kv_tiers(
     config: EngineConfig, blocks: BlockManager, model_config: ModelConfig, fingerprint: str
-) -> KVTiers | None:
+) -> KVTiers:
     if config.host_kv_cache_memory == 0 and config.kv_redis_url is None:
-        return None
+        return KVTiers(blocks)  # the null object: no tier, no listener, nothing to move
     from prefix_cache.redis_store import layout_namespace  # redis-free helper, but lives with the store
 
     # One process drives one device (no tensor parallelism yet): rank 0 of 1.
@@ -49,9 +49,9 @@ def build_kv_tiers(
     return KVTiers(blocks, host=host, remote=remote, costs=LoadCostModel(config.block_size, config.kv_tier_policy))
 
 
-def tier_stats(tiers: KVTiers | None) -> dict[str, int | float]:
+def tier_stats(tiers: KVTiers) -> dict[str, int | float]:
     """Engine.stats() entries: kv_host_* and kv_redis_* counters (zeros when a tier is off)."""
-    s = tiers.stats() if tiers is not None else {}
+    s = tiers.stats()
     return {
         "kv_host_hits": s.get("host_hits", 0),  # blocks loaded from host memory
         "kv_host_stores": s.get("host_stores", 0),  # evicted device blocks demoted to host memory

@@ -9,12 +9,15 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine, PromptInput
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
+from engine.process_setup import prepare_process
 from engine.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        prepare_process(config.device)  # process-wide set-up, once (gc freeze, malloc tuning)
+        self.engine = Engine(config)
         self._ids = itertools.count()
 
     def generate(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,7 @@ from engine.models.config import ModelConfig
 from engine.models.cpu_decode import CpuDecodeStack
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SampleResult, SampleRow, Sampler
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.sequence import Sequence
+from engine.scheduler_output import SampleSpec, ScheduledRow, SchedulerOutput
 from engine.structured_output import GrammarMask, StructuredOutputManager
 from kernels import AttentionOps
 from prefix_cache import KVTransfers, TransferTimings
@@ -51,10 +51,11 @@ class PromptLogprobs:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    sampled_seqs: tuple[Sequence, ...]  # aligned with `samples` rows (pending forks included)
-    samples: SampleResult
+    sampled_seq_ids: tuple[str, ...]  # aligned with `samples` rows (forks included)
+    samples: SampleResult | None  # None: no row sampled this step
     prompt_logprobs: dict[str, PromptLogprobs]  # seq_id -> this step's prompt logprobs
     transfer_timings: TransferTimings | None = None  # the step's KV tier moves, when it had any
+    forward_seconds: float = 0.0  # the step's time without its tier transfers (feeds the tier cost model)
 
 
 class ModelRunner:
@@ -84,39 +85,36 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
 
-    def release(self, seq_id: str) -> None:
-        self._generators.pop(seq_id, None)
-
-    def apply_transfers(self, transfers: KVTransfers) -> TransferTimings:
-        """A step's KV tier moves alone (a step that admitted nothing may still demote or swap)."""
-        return self.kv_mover.apply(transfers)
-
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        """Run one step: tier moves, block copies, the forward over every row, sampling."""
+        start = time.perf_counter()
+        for seq_id in batch.finished_seq_ids:
+            self._generators.pop(seq_id, None)
         # Tier moves first: a block demoted this step may be a copy target or get new KV below.
         timings = self.kv_mover.apply(batch.transfers) if batch.transfers else None
         if batch.copies:
             self.ops.copy_blocks(self.kv_cache, torch.tensor(batch.copies, dtype=torch.long, device=self.device))
-        chunks = sorted(batch.chunks, key=lambda c: c.num_new_tokens != 1)  # decodes first
-        input_ids, positions, attn = self._prepare(chunks)
+        if not batch.rows:
+            return RunnerOutput((), None, {}, timings)
+        rows = batch.rows  # decodes first (the scheduler's order)
+        input_ids, positions, attn = self._prepare(rows)
         hidden = self._forward(input_ids, positions, attn)  # [T, hidden]
 
-        # Only the last position of a chunk that reaches the end of its tokens needs logits.
-        ends = torch.tensor([c.num_new_tokens for c in chunks]).cumsum(0) - 1
-        # One row per sequence that gets a token; the samples forking from a sequence (n>1) are
-        # extra rows of the same logits, each drawn with its own params and generator.
-        row_positions: list[int] = []
-        seqs: list[Sequence] = []
-        for i, c in enumerate(chunks):
-            if c.needs_sample:
-                for seq in [c.seq, *c.seq.pending_forks]:
-                    row_positions.append(int(ends[i]))
-                    seqs.append(seq)
-        logits = self.model.compute_logits(hidden[torch.tensor(row_positions, dtype=torch.long, device=self.device)])
-        rows = [self._sample_row(seq) for seq in seqs]
-        samples = self.sampler(logits.cpu(), rows, self._grammar_mask(seqs))  # logits: [S, V]
-        prompt_lp = self._prompt_logprobs(chunks, hidden, ends)
-        return RunnerOutput(tuple(seqs), samples, prompt_lp, timings)
+        # Only the last position of a row that reaches the end of its tokens needs logits. The
+        # samples forking from a row (n>1) are extra rows of the same logits, each drawn with its
+        # own params and generator.
+        ends = torch.tensor([r.num_new_tokens for r in rows]).cumsum(0) - 1
+        row_positions = [int(ends[i]) for i, r in enumerate(rows) for _ in r.samples]
+        specs = [spec for r in rows for spec in r.samples]
+        samples = None
+        if specs:
+            logits = self.model.compute_logits(hidden[torch.tensor(row_positions, dtype=torch.long, device=self.device)])
+            samples = self.sampler(logits.cpu(), [self._sample_row(s) for s in specs], self._grammar_mask(specs))
+        prompt_lp = self._prompt_logprobs(rows, hidden, ends)
+        moved = 0.0 if timings is None else timings.device_to_host_s + timings.host_to_device_s + timings.remote_to_device_s
+        return RunnerOutput(tuple(s.seq_id for s in specs), samples, prompt_lp, timings,
+                            time.perf_counter() - start - moved)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         # Decode-only steps on CPU skip the modules' per-layer dispatch (same kernels, same bits).
@@ -125,30 +123,30 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache, attn)
 
     # -- tensors ------------------------------------------------------------------------
-    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, rows: tuple[ScheduledRow, ...]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        for c in chunks:
-            ids.extend(c.seq.token_ids[c.start:c.end])
-            for p in range(c.start, c.end):
-                slots.append(c.block_ids[p // bs] * bs + p % bs)
-            pos.extend(range(c.start, c.end))
-        decodes = [c for c in chunks if c.num_new_tokens == 1]
-        prefills = chunks[len(decodes):]
+        for r in rows:
+            ids.extend(r.token_ids)
+            for p in range(r.start, r.end):
+                slots.append(r.block_ids[p // bs] * bs + p % bs)
+            pos.extend(range(r.start, r.end))
+        num_decodes = sum(1 for r in rows if r.num_new_tokens == 1)
+        decodes, prefills = rows[:num_decodes], rows[num_decodes:]
         qsl = [0]
-        for c in prefills:
-            qsl.append(qsl[-1] + c.num_new_tokens)
+        for r in prefills:
+            qsl.append(qsl[-1] + r.num_new_tokens)
         dev = self.device
         attn = AttentionMetadata(
             ops=self.ops,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decodes),
             decode_block_tables=self._block_table(decodes),
-            decode_seq_lens=torch.tensor([c.end for c in decodes], dtype=torch.int32, device=dev),
+            decode_seq_lens=torch.tensor([r.end for r in decodes], dtype=torch.int32, device=dev),
             prefill_block_tables=self._block_table(prefills),
-            prefill_seq_lens=torch.tensor([c.end for c in prefills], dtype=torch.int32, device=dev),
+            prefill_seq_lens=torch.tensor([r.end for r in prefills], dtype=torch.int32, device=dev),
             prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             scale=self.scale,
         )
@@ -158,49 +156,44 @@ class ModelRunner:
             attn,
         )
 
-    def _block_table(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _block_table(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor:
         # Only the blocks covering [0, end) are read; pad with 0 (never read past seq_len).
-        width = max((-(-c.end // self.block_size) for c in chunks), default=1)
-        table = [list(c.block_ids[:width]) + [0] * (width - min(len(c.block_ids), width)) for c in chunks]
-        return torch.tensor(table, dtype=torch.int32, device=self.device).reshape(len(chunks), width)
+        width = max((-(-r.end // self.block_size) for r in rows), default=1)
+        table = [list(r.block_ids[:width]) + [0] * (width - min(len(r.block_ids), width)) for r in rows]
+        return torch.tensor(table, dtype=torch.int32, device=self.device).reshape(len(rows), width)
 
     # -- sampling -----------------------------------------------------------------------
-    def _sample_row(self, seq: Sequence) -> SampleRow:
-        p = seq.params
+    def _sample_row(self, spec: SampleSpec) -> SampleRow:
+        p = spec.params
         generator = None
         if p.seed is not None:
-            generator = self._generators.get(seq.seq_id)
+            generator = self._generators.get(spec.seq_id)
             if generator is None:
-                generator = self._generators[seq.seq_id] = torch.Generator().manual_seed(p.seed)
-        banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < p.min_tokens:
-            banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else self.cfg.eos_token_ids)
-        # Beam search ranks each beam's best 2*width continuations by raw logprob.
-        num_top = 2 * p.n if p.use_beam_search else p.logprobs
-        return SampleRow(p, seq.token_ids, seq.num_prompt_tokens, generator, banned, num_top)
+                generator = self._generators[spec.seq_id] = torch.Generator().manual_seed(p.seed)
+        return SampleRow(p, spec.history, spec.num_prompt_tokens, generator, spec.banned_token_ids,
+                         spec.num_top_logprobs)
 
-    def _grammar_mask(self, seqs: list[Sequence]) -> GrammarMask | None:
-        if self.structured is None or all(s.params.structured_outputs is None for s in seqs):
+    def _grammar_mask(self, specs: list[SampleSpec]) -> GrammarMask | None:
+        if self.structured is None or all(s.params.structured_outputs is None for s in specs):
             return None  # the common case costs one attribute check per row
-        return self.structured.grammar_mask([s.seq_id for s in seqs])
+        return self.structured.grammar_mask([s.seq_id for s in specs])
 
     def _prompt_logprobs(
-        self, chunks: list[ScheduledChunk], hidden: torch.Tensor, ends: torch.Tensor
+        self, rows: tuple[ScheduledRow, ...], hidden: torch.Tensor, ends: torch.Tensor
     ) -> dict[str, PromptLogprobs]:
         result: dict[str, PromptLogprobs] = {}
-        for i, c in enumerate(chunks):
-            k = c.seq.params.prompt_logprobs
-            # Logits at position p score prompt token p+1, so positions up to num_prompt-2 count.
-            last = min(c.end, c.seq.num_prompt_tokens - 1)
-            if k is None or c.start >= last:
+        for i, r in enumerate(rows):
+            spec = r.prompt_logprobs
+            if spec is None:
                 continue
-            first_row = int(ends[i]) - c.num_new_tokens + 1
-            rows = hidden[first_row:first_row + (last - c.start)]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows).cpu(), dim=-1)  # [n, V]
-            targets = torch.tensor(c.seq.token_ids[c.start + 1:last + 1])
+            first_row = int(ends[i]) - r.num_new_tokens + 1
+            rows_h = hidden[first_row:first_row + len(spec.targets)]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows_h).cpu(), dim=-1)  # [n, V]
+            targets = torch.tensor(spec.targets)
             chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
             ranks = (logprobs > chosen.unsqueeze(1)).sum(-1) + 1
+            k = spec.num_top
             top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
             top = [list(zip(ti, tv)) for ti, tv in zip(top_i.tolist(), top_v.tolist())]
-            result[c.seq.seq_id] = PromptLogprobs(c.start + 1, chosen.tolist(), ranks.tolist(), top)
+            result[r.seq_id] = PromptLogprobs(spec.first_position, chosen.tolist(), ranks.tolist(), top)
         return result

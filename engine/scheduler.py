@@ -1,51 +1,29 @@
-"""Scheduler: decides, each step, which sequences advance by how many tokens.
+"""Scheduler: decides, each step, which sequences advance by how many tokens, and owns the step's
+bookkeeping around the forward.
 
-Its output is plain data (SchedulerOutput); only the model runner builds tensors. Every kind
-of progress — prefill, chunked prefill, prefix-cache hit, decode — is "advance
-num_computed_tokens by num_new_tokens" within a token budget.
+    schedule()                 -> SchedulerOutput (plain data: rows, block copies, tier transfers)
+    update_from_output(o, r)   after the runner: advance num_computed_tokens, commit newly full
+                               blocks to the prefix cache, fork n>1 samples, release copy sources,
+                               end the tier step and write new blocks through to Redis
+    fork(parent, child) / finish(seq)   beams and finished / aborted sequences
+
+Every kind of progress -- prefill, chunked prefill, prefix-cache hit, decode -- is "advance
+num_computed_tokens by num_new_tokens" within a token budget. Only the model runner builds tensors.
 """
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.inflight_prefixes import InflightPrefixes
+from engine.scheduler_output import PromptLogprobsSpec, SampleSpec, ScheduledRow, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-from prefix_cache import BlockManager, KVTiers, KVTransfers, NoFreeBlocksError, PrefixHit
+from prefix_cache import BlockManager, KVTiers, NoFreeBlocksError, PrefixHit
 
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    seq: Sequence
-    start: int  # == seq.num_computed_tokens when scheduled
-    num_new_tokens: int
-    block_ids: tuple[int, ...]
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-    @property
-    def needs_sample(self) -> bool:
-        """The chunk reaches the last known token, so its last position's logits pick the next one."""
-        return self.end == self.seq.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...]
-    copies: tuple[tuple[int, int], ...]  # (src, dst) KV block copies to run before the forward
-    preempted: tuple[Sequence, ...]
-    # Tier moves (demotions, loads, swaps) to run before the copies; see prefix_cache/tiers.py.
-    transfers: KVTransfers = KVTransfers()
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks and not self.transfers
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
+if TYPE_CHECKING:  # the runner's output type only: the scheduler never touches tensors
+    from engine.model_runner import RunnerOutput
 
 
 @dataclass(frozen=True)
@@ -59,24 +37,31 @@ _DEFERRED = object()
 
 
 class Scheduler:
-    """Owns the waiting and running queues; the BlockManager owns every block id.
+    """Owns the waiting and running queues and the step's bookkeeping; the BlockManager owns every
+    block id, the KV tiers every host slot.
 
     Invariants: a sequence is in exactly one of waiting / running / (finished, dropped);
-    running sequences hold blocks covering their num_computed_tokens; waiting ones hold none.
+    running sequences hold blocks covering their num_computed_tokens; waiting ones hold none;
+    ``seqs`` maps the id of every waiting or running sequence to it.
     """
 
     def __init__(
-        self, limits: SchedulerLimits, blocks: BlockManager, *, tiers: KVTiers | None = None,
-        preemption_mode: str = "recompute",
+        self, limits: SchedulerLimits, blocks: BlockManager, tiers: KVTiers, *,
+        eos_token_ids: Seq[int] = (), preemption_mode: str = "recompute",
+        read_kv_blocks: Callable[[list[int]], list] | None = None,
     ) -> None:
         self.limits = limits
         self.blocks = blocks
-        self.tiers = tiers  # host / Redis tiers: loads at admission, swap at preemption
+        self.tiers = tiers  # host / Redis tiers (a KVTiers with neither when off): loads, swaps, write-through
+        self.eos_token_ids = tuple(eos_token_ids)
         self.preemption_mode = preemption_mode
+        self._read_kv_blocks = read_kv_blocks  # the runner's pool reader, for Redis write-through
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
+        self.seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.inflight = InflightPrefixes(blocks)
+        self._finished_ids: list[str] = []  # told to the runner with the next output
 
     # -- queues -----------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[int, ...]:
@@ -84,14 +69,25 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
         bisect.insort(self.waiting, seq, key=self._key)
 
-    def adopt(self, seq: Sequence) -> None:
-        """A fork that already holds blocks (shared with its parent) joins the running set."""
-        seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=self._key)
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child continues from the parent's tokens: it shares the parent's blocks (copy-on-write)
+        and runs; if the parent was preempted after its step, the child waits and recomputes (mostly
+        prefix-cache hits)."""
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if not self.blocks.has_seq(parent.seq_id):
+            child.num_computed_tokens = 0
+            self.add(child)
+            return
+        self.blocks.fork(parent.seq_id, child.seq_id)
+        child.status = SequenceStatus.RUNNING
+        self.seqs[child.seq_id] = child
+        bisect.insort(self.running, child, key=self._key)
 
-    def remove(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence) -> None:
         """Drop a sequence from whichever queue holds it and release its blocks (finish or abort)."""
         if seq in self.running:
             self.running.remove(seq)
@@ -99,9 +95,10 @@ class Scheduler:
             self.waiting.remove(seq)
         if self.blocks.has_seq(seq.seq_id):
             self.blocks.free(seq.seq_id)
-        if self.tiers is not None:
-            self.tiers.drop_swap(seq.seq_id)
+        self.tiers.drop_swap(seq.seq_id)
         self.inflight.forget(seq)
+        if self.seqs.pop(seq.seq_id, None) is not None:
+            self._finished_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
 
     def has_unfinished(self) -> bool:
@@ -110,9 +107,8 @@ class Scheduler:
     # -- the decision -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
-        if self.tiers is not None:
-            self.tiers.begin_step()
-        chunks: list[ScheduledChunk] = []
+        self.tiers.begin_step()
+        rows: list[ScheduledRow] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
 
@@ -130,7 +126,7 @@ class Scheduler:
             if grown is None:
                 continue
             copies.extend(grown)
-            chunks.append(self._chunk(seq, num_new))
+            rows.append(self._row(seq, num_new))
             scheduled.add(seq.seq_id)
             budget -= num_new
 
@@ -145,19 +141,78 @@ class Scheduler:
                 break
             if admitted is _DEFERRED:
                 continue
-            chunk, new_copies = admitted
+            row, new_copies = admitted
             self.waiting.remove(seq)
             bisect.insort(self.running, seq, key=self._key)
             seq.status = SequenceStatus.RUNNING
-            chunks.append(chunk)
+            rows.append(row)
             copies.extend(new_copies)
-            budget -= chunk.num_new_tokens
+            budget -= row.num_new_tokens
 
-        transfers = self.tiers.take_transfers() if self.tiers is not None else KVTransfers()
-        return SchedulerOutput(tuple(chunks), tuple(copies), tuple(preempted), transfers)
+        rows.sort(key=lambda r: r.num_new_tokens != 1)  # decodes first (stable: priority order kept)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(tuple(rows), tuple(copies), tuple(s.seq_id for s in preempted),
+                               self.tiers.take_transfers(), finished)
 
-    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
-        return ScheduledChunk(seq, seq.num_computed_tokens, num_new, tuple(self.blocks.block_ids(seq.seq_id)))
+    # -- after the forward ----------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:
+        """The runner executed ``output``: every row's tokens now have KV. Advance progress, cache the
+        newly full blocks, fork n>1 samples from their root, then close the step: copy sources and
+        tier pins released, the cost model fed, new blocks written through to Redis."""
+        for row in output.rows:
+            seq = self.seqs[row.seq_id]
+            seq.num_computed_tokens = row.end
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if row.samples and seq.pending_forks:  # n>1: the prompt is computed, the samples fork now
+                for child in seq.pending_forks:
+                    child.num_cached_tokens = seq.num_cached_tokens
+                    self.fork(seq, child)
+                seq.pending_forks = []
+        self.tiers.record_step(result.forward_seconds, output.num_batched_tokens, result.transfer_timings)
+        self.end_step(ok=True)
+
+    def end_step(self, ok: bool) -> None:
+        """Close the step, run or failed: copy sources and tier pins are held only until the forward."""
+        self.blocks.release_copy_sources()
+        self.tiers.end_step(ok)
+        if ok:
+            self._write_through()
+
+    def _write_through(self) -> None:
+        """Blocks cached this step go to Redis: read their bytes now, while they are immutable."""
+        writes = self.tiers.take_writes()
+        if writes and self._read_kv_blocks is not None:
+            self.tiers.submit_writes(writes, self._read_kv_blocks([w.block_id for w in writes]))
+
+    # -- rows -------------------------------------------------------------------------
+    def _row(self, seq: Sequence, num_new: int) -> ScheduledRow:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        samples = ()
+        if end == seq.num_tokens:  # the chunk reaches the last known token: its logits pick the next
+            samples = tuple(self._sample_spec(s) for s in (seq, *seq.pending_forks))
+        return ScheduledRow(seq.seq_id, start, tuple(seq.token_ids[start:end]), tuple(self.blocks.block_ids(seq.seq_id)),
+                            samples, self._prompt_logprobs_spec(seq, start, end))
+
+    def _sample_spec(self, seq: Sequence) -> SampleSpec:
+        p = seq.params
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else self.eos_token_ids)
+        # Beam search ranks each beam's best 2*width continuations by raw logprob.
+        num_top = 2 * p.n if p.use_beam_search else p.logprobs
+        if p.needs_penalties:
+            return SampleSpec(seq.seq_id, p, banned, num_top, tuple(seq.token_ids), seq.num_prompt_tokens)
+        return SampleSpec(seq.seq_id, p, banned, num_top)
+
+    @staticmethod
+    def _prompt_logprobs_spec(seq: Sequence, start: int, end: int) -> PromptLogprobsSpec | None:
+        k = seq.params.prompt_logprobs
+        # Logits at position p score prompt token p+1, so positions up to num_prompt-2 count.
+        last = min(end, seq.num_prompt_tokens - 1)
+        if k is None or start >= last:
+            return None
+        return PromptLogprobsSpec(k, start + 1, tuple(seq.token_ids[start + 1:last + 1]))
 
     def _grow_or_preempt(
         self, seq: Sequence, num_new: int, scheduled: set[str], preempted: list[Sequence]
@@ -194,7 +249,7 @@ class Scheduler:
         self.running.remove(seq)
         # At least the last token is recomputed on readmission: its logits pick the next token.
         saved = min(seq.num_computed_tokens, seq.num_tokens - 1)
-        if self.preemption_mode == "swap" and self.tiers is not None and saved > 0:
+        if self.preemption_mode == "swap" and saved > 0:
             unwritten = {dst: src for src, dst in pending_copies}
             table = self.blocks.block_ids(seq.seq_id)[: -(-saved // self.blocks.block_size)]
             self.tiers.swap_out(seq.seq_id, [unwritten.get(b, b) for b in table], saved)
@@ -208,7 +263,7 @@ class Scheduler:
         """(chunk, copies) if admitted; None if the pool is full; _DEFERRED if an in-flight
         prefill is computing this sequence's next prefix block (admit it as a hit later)."""
         first_admission = seq.num_preemptions == 0
-        if self.tiers is not None and self.tiers.swapped_tokens(seq.seq_id) is not None:
+        if self.tiers.swapped_tokens(seq.seq_id) is not None:
             return self._swap_in(seq, budget)
         if seq.params.prompt_logprobs is not None and first_admission:
             # Prompt logprobs need the logits of every prompt position: no prefix reuse.
@@ -218,7 +273,7 @@ class Scheduler:
             if self.inflight.should_defer(seq, hit):
                 return _DEFERRED
         alloc, cached = None, hit.num_cached_tokens
-        if self.tiers is not None and (seq.params.prompt_logprobs is None or not first_admission):
+        if self.tiers.enabled and (seq.params.prompt_logprobs is None or not first_admission):
             alloc, cached = self._admit_with_tier_hits(seq, hit, budget)
         if alloc is None:
             cached = hit.num_cached_tokens
@@ -234,7 +289,7 @@ class Scheduler:
         self.inflight.admitted(seq, hit)
         if first_admission:
             seq.num_cached_tokens = cached
-        return self._chunk(seq, min(seq.num_tokens - cached, budget)), alloc.copies
+        return self._row(seq, min(seq.num_tokens - cached, budget)), alloc.copies
 
     def _admit_with_tier_hits(self, seq: Sequence, hit: PrefixHit, budget: int):
         """(allocation, cached tokens) when the host / Redis tiers continue the device hit and the
@@ -274,4 +329,4 @@ class Scheduler:
         self.tiers.swap_in(seq.seq_id, self.blocks.block_ids(seq.seq_id), len(hit.block_ids))
         seq.num_computed_tokens = saved
         self.inflight.admitted(seq, hit)
-        return self._chunk(seq, num_new), alloc.copies
+        return self._row(seq, num_new), alloc.copies

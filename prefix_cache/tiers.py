@@ -248,7 +248,8 @@ class KVTiers:
         # keys of blocks loaded from a tier: their commit must not write them back (until the next step)
         self._loaded_keys: set[BlockKey] = set()
         self._writes: list[PendingWrite] = []
-        blocks.set_listener(self)
+        if self.enabled:  # with neither tier (the null object) block events cost nothing
+            blocks.set_listener(self)
 
     @property
     def enabled(self) -> bool:
