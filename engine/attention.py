@@ -15,12 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionOps
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    ops: AttentionOps
     slot_mapping: torch.Tensor  # [T] int64, cache slot of every new token
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [D, max_blocks] int32

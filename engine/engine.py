@@ -27,7 +27,7 @@ from engine.scheduler import Scheduler, SchedulerLimits
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 from engine.structured_output import StructuredOutputManager
-from kernels import get_attention_ops
+from kernels import get_ops
 from prefix_cache import BlockManager
 
 logger = logging.getLogger("prefixserve")
@@ -55,7 +55,7 @@ class Engine:
         )
         # Host-memory and Redis KV tiers (a KVTiers with neither when both are off).
         self.tiers = build_kv_tiers(config, self.blocks, self.model_config, fingerprint)
-        ops = get_attention_ops(config.attention_backend, self.device)
+        ops = get_ops(config.attention_backend, self.device, self.dtype)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )

@@ -15,12 +15,11 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.kv_tiers import KVMover
 from engine.models.config import ModelConfig
-from engine.models.cpu_decode import CpuDecodeStack
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SampleResult, SampleRow, Sampler
 from engine.scheduler_output import SampleSpec, ScheduledRow, SchedulerOutput
 from engine.structured_output import GrammarMask, StructuredOutputManager
-from kernels import AttentionOps
+from kernels import KernelOps
 from prefix_cache import KVTransfers, TransferTimings
 
 
@@ -65,7 +64,7 @@ class ModelRunner:
         model_config: ModelConfig,
         num_blocks: int,
         block_size: int,
-        ops: AttentionOps,
+        ops: KernelOps,
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
@@ -81,7 +80,7 @@ class ModelRunner:
         )
         self.kv_mover = KVMover(self.kv_cache, num_host_kv_slots)  # host slots + tier transfers
         self.scale = cfg.head_dim ** -0.5
-        self.decode_stack = CpuDecodeStack.build(model, ops.name, device)  # None: the modules run every step
+        model.bind_ops(ops)  # the backend's ops, bound once: the one forward calls only these
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
 
@@ -117,9 +116,6 @@ class ModelRunner:
                             time.perf_counter() - start - moved)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        # Decode-only steps on CPU skip the modules' per-layer dispatch (same kernels, same bits).
-        if self.decode_stack is not None and self.decode_stack.covers(attn, input_ids.shape[0]):
-            return self.decode_stack(input_ids, positions, self.kv_cache, attn)
         return self.model(input_ids, positions, self.kv_cache, attn)
 
     # -- tensors ------------------------------------------------------------------------
@@ -140,7 +136,6 @@ class ModelRunner:
             qsl.append(qsl[-1] + r.num_new_tokens)
         dev = self.device
         attn = AttentionMetadata(
-            ops=self.ops,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decodes),
             decode_block_tables=self._block_table(decodes),

@@ -1,18 +1,28 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) with attention read through block tables.
 
-Module names match Hugging Face's checkpoints so weights load by name. The KV cache is one
-tensor for all layers, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; each
-layer writes its new K/V into slots and reads all K/V through the block tables.
+Module names match Hugging Face's checkpoints so weights load by name; the modules only hold
+weights. The forward is written once, over a backend's op set (kernels.KernelOps) bound at load
+with ``bind_ops``: the torch references, Triton, or the CPU C kernels differ only in the ops.
+
+The KV cache is one tensor for all layers, [num_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim]; each layer writes its new K/V into slots and reads all K/V through the block tables.
+
+    per layer:  h, res = add_rms_norm(x, res)          (layer 0: res = embeddings)
+                qkv = linear(h, Wqkv, b); rope(q, k); K, V -> cache slots (store_kv)
+                x = linear(attention(q), Wo, b);  h, res = add_rms_norm(x, res)
+                x = linear(silu_mul(linear(h, Wgu, b)), Wd, b)
+    then:       out = add_rms_norm(x, res)
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear
-from kernels.elementwise import add_rms_norm, rope, silu_mul
+from kernels import KernelOps
 
 
 class RMSNorm(nn.Module):
@@ -21,89 +31,62 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None  # [T, hidden] each
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual), the residual add fused in; without a residual,
-        (rms_norm(x), x). Rounds as HF does (kernels/elementwise.py)."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
-
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # q, k and v in one GEMM (the loader concatenates the checkpoint's q_proj, k_proj, v_proj).
-        self.qkv_proj = Linear(
+        self.qkv_proj = nn.Linear(
             cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.attention_bias
         )
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, D/2]
-        sin: torch.Tensor,  # [T, D/2]
-        kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
-        attn: AttentionMetadata,
-    ) -> torch.Tensor:
-        T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2*Hkv) * D]
-        qk = rope(qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)  # [T, Hq+Hkv, D] (in place on CPU)
-        q, k = qk[:, :Hq], qk[:, Hq:]  # [T, Hq, D], [T, Hkv, D]
-        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)  # [T, Hkv, D]
-
-        k_cache, v_cache = kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1]
-        attn.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-
-        nd = attn.num_decode_tokens
-        outs = []
-        if nd:
-            outs.append(attn.ops.paged_attention_decode(
-                q[:nd], k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens, attn.scale
-            ))  # [nd, Hq, D]
-        if nd < T:
-            outs.append(attn.ops.paged_attention_prefill(
-                q[nd:], k_cache, v_cache, attn.prefill_block_tables, attn.prefill_seq_lens,
-                attn.prefill_query_start_loc, attn.scale,
-            ))  # [T-nd, Hq, D]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         # gate and up in one GEMM (the loader concatenates the checkpoint's gate_proj and up_proj).
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, kv_cache, attn):
-        # x: the previous layer's MLP output, not yet added to the residual stream (at layer 0: the
-        # embeddings, with residual None). Each norm adds first, in one fused pass (as vLLM does).
-        h, residual = self.input_layernorm(x, residual)  # residual = x + residual
-        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, attn), residual)
-        return self.mlp(h), residual
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's tensors, gathered once at bind so the forward reads no module attributes."""
+
+    norm1: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(Hq+2Hkv)*D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, Hq*D]
+    o_bias: torch.Tensor | None
+    norm2: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2I, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, I]
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> LayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        return cls(layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, a.o_proj.bias,
+                   layer.post_attention_layernorm.weight, m.gate_up_proj.weight, m.gate_up_proj.bias,
+                   m.down_proj.weight, m.down_proj.bias)
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -114,11 +97,24 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [D/2]
         self.rope_scaling = rope_scaling
+        self.ops: KernelOps | None = None  # bound once at load (bind_ops)
+        self._layers: tuple[LayerWeights, ...] = ()
+
+    def bind_ops(self, ops: KernelOps) -> None:
+        """Bind the backend's ops (once, at load) and gather each layer's tensors. The model is for
+        inference only: its weights stop requiring grad. Bound CPU ops read raw pointers: they need
+        every weight contiguous in one dtype, which is checked here, once."""
+        self.requires_grad_(False)
+        dtype = self.model.embed_tokens.weight.dtype
+        if ops.name == "cpu" and any(p.dtype != dtype or not p.is_contiguous() for p in self.parameters()):
+            raise ValueError("the cpu ops need every weight contiguous in the model dtype")
+        self.ops = ops
+        self._layers = tuple(LayerWeights.of(layer) for layer in self.model.layers)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32 once per step and shared by all layers (HF does the same math per layer).
@@ -131,13 +127,43 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         attn: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [T, hidden]
+        ops, cfg = self.ops, self.config
+        T, Hq, Hkv, D = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        nd = attn.num_decode_tokens
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rope(positions, x.dtype)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn)
-        return self.model.norm(x, residual)[0]  # [T, hidden]
+        cos, sin = self.rope(positions, x.dtype)  # [T, D/2] each
+        residual = None  # x is the previous layer's MLP output, not yet added to the residual stream
+        for i, w in enumerate(self._layers):
+            h, residual = ops.add_rms_norm(x, residual, w.norm1, eps)  # residual = x + residual
+            qkv = ops.linear(h, w.qkv, w.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
+            qk = ops.rope(qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)  # [T, Hq+Hkv, D]
+            q, k = qk[:, :Hq], qk[:, Hq:]  # [T, Hq, D], [T, Hkv, D]
+            v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)  # [T, Hkv, D]
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]  # [NB, BS, Hkv, D]
+            ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+            if nd == T:  # decode-only step (beams, samples, batches of decodes)
+                out = ops.paged_attention_decode(q, k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens,
+                                                 attn.scale)  # [T, Hq, D]
+            else:
+                out = self._mixed_attention(ops, q, k_cache, v_cache, attn)
+            x = ops.linear(out.reshape(T, Hq * D), w.o, w.o_bias)  # [T, hidden]
+            h, residual = ops.add_rms_norm(x, residual, w.norm2, eps)
+            x = ops.linear(ops.silu_mul(ops.linear(h, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+        return ops.add_rms_norm(x, residual, self.model.norm.weight, eps)[0]  # [T, hidden]
+
+    @staticmethod
+    def _mixed_attention(ops: KernelOps, q, k_cache, v_cache, attn: AttentionMetadata) -> torch.Tensor:
+        """Decodes (the first num_decode_tokens rows) and prefill chunks (the rest): [T, Hq, D]."""
+        nd = attn.num_decode_tokens
+        prefill = ops.paged_attention_prefill(q[nd:], k_cache, v_cache, attn.prefill_block_tables,
+                                              attn.prefill_seq_lens, attn.prefill_query_start_loc, attn.scale)
+        if not nd:
+            return prefill
+        decode = ops.paged_attention_decode(q[:nd], k_cache, v_cache, attn.decode_block_tables,
+                                            attn.decode_seq_lens, attn.scale)
+        return torch.cat((decode, prefill))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, vocab]
+        return self.ops.linear(hidden, self.lm_head.weight).float()  # [N, vocab]

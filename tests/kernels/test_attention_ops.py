@@ -7,7 +7,7 @@ import torch
 from kernels_testlib import DEVICE, needs_triton, poison_outputs
 
 import kernels
-from kernels import AttentionOps, get_attention_ops
+from kernels import KernelOps, get_ops
 
 
 def _run_py(code: str) -> subprocess.CompletedProcess:
@@ -15,16 +15,24 @@ def _run_py(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
+def test_debug_switch_binds_the_checking_launchers(monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_DEBUG_KERNELS", "1")
+    cpu = get_ops("cpu", "cpu", torch.float32)
+    assert cpu.store_kv is kernels.store_kv_cpu and cpu.paged_attention_decode is kernels.paged_attention_decode_cpu
+    monkeypatch.setenv("PREFIXSERVE_DEBUG_KERNELS", "0")
+    if kernels.native_kernels() is not None:  # bound: raw pointers to the C kernels, no per-call checks
+        assert get_ops("cpu", "cpu", torch.float32).paged_attention_decode is not kernels.paged_attention_decode_cpu
+
+
 def test_torch_backend_and_auto_on_cpu():
-    ops = get_attention_ops("torch", "cpu")
-    assert isinstance(ops, AttentionOps) and ops.name == "torch"
+    ops = get_ops("torch", "cpu")
+    assert isinstance(ops, KernelOps) and ops.name == "torch"
     assert ops.store_kv is kernels.store_kv_torch
     assert ops.paged_attention_decode is kernels.paged_attention_decode_torch
     assert ops.paged_attention_prefill is kernels.paged_attention_prefill_torch
     assert ops.copy_blocks is kernels.copy_blocks_torch
-    cpu = get_attention_ops("auto", torch.device("cpu"))  # torch + the C decode and store kernels
-    assert cpu.name == "cpu" and get_attention_ops().name == "cpu"
-    assert cpu.store_kv is kernels.store_kv_cpu and cpu.paged_attention_decode is kernels.paged_attention_decode_cpu
+    cpu = get_ops("auto", torch.device("cpu"))  # the C kernels
+    assert cpu.name == "cpu" and get_ops().name == "cpu"
     assert cpu.paged_attention_prefill is kernels.paged_attention_prefill_cpu
     with pytest.raises(Exception):
         ops.name = "x"  # frozen
@@ -32,26 +40,26 @@ def test_torch_backend_and_auto_on_cpu():
 
 def test_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
-        get_attention_ops("cuda", "cpu")
+        get_ops("cuda", "cpu")
     with pytest.raises(ValueError, match="backend"):
-        get_attention_ops(None, "cpu")
+        get_ops(None, "cpu")
 
 
 @needs_triton
 def test_triton_backend_on_cpu(monkeypatch):
     if torch.cuda.is_available():
-        assert get_attention_ops("auto", "cuda").name == "triton"
+        assert get_ops("auto", "cuda").name == "triton"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        get_attention_ops("triton", "cpu")
+        get_ops("triton", "cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ops = get_attention_ops("triton", "cpu")
+    ops = get_ops("triton", "cpu")
     assert ops.name == "triton" and ops.store_kv is kernels.store_kv_triton
 
 
 def test_unsupported_device_for_triton():
     with pytest.raises(ValueError):
-        get_attention_ops("triton", "meta")
+        get_ops("triton", "meta")
 
 
 def test_import_is_light():
@@ -62,7 +70,7 @@ def test_import_is_light():
         "assert 'kernels.paged_attention_decode' not in sys.modules\n"
         "assert not torch.cuda.is_initialized()\n"
         "assert not hasattr(kernels, '__version__')\n"
-        "ops = kernels.get_attention_ops('auto', 'cpu')\n"
+        "ops = kernels.get_ops('auto', 'cpu')\n"
         "assert ops.name == 'cpu' and not torch.cuda.is_initialized()\n"
         "import kernels.store_kv, kernels.paged_attention_decode, kernels.paged_attention_prefill\n"
         "import kernels.copy_blocks\n"
@@ -78,7 +86,7 @@ def test_works_without_triton():
         "import sys\n"
         "sys.modules['triton'] = None; sys.modules['triton.language'] = None  # import fails\n"
         "import torch, kernels\n"
-        "ops = kernels.get_attention_ops('auto', 'cpu')\n"
+        "ops = kernels.get_ops('auto', 'cpu')\n"
         "kv = torch.zeros(1, 2, 2, 4, 1, 8)\n"
         "ops.store_kv(torch.ones(2, 1, 8), torch.ones(2, 1, 8), kv[0, 0], kv[0, 1], torch.tensor([0, 5]))\n"
         "out = ops.paged_attention_decode(torch.ones(1, 2, 8), kv[0, 0], kv[0, 1],\n"
@@ -86,7 +94,7 @@ def test_works_without_triton():
         "assert out.shape == (1, 2, 8)\n"
         "from kernels.store_kv import store_kv_triton\n"
         "try:\n"
-        "    kernels.get_attention_ops('triton', 'cuda')\n"
+        "    kernels.get_ops('triton', 'cuda')\n"
         "except RuntimeError as e:\n"
         "    assert 'triton' in str(e)\n"
         "else:\n"
@@ -137,8 +145,8 @@ def _pipeline(ops, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backends_agree_on_a_pipeline(dtype, monkeypatch):
     poison_outputs(monkeypatch)
-    ref_outs, ref_cache = _pipeline(get_attention_ops("torch", DEVICE), dtype)
-    outs, cache = _pipeline(get_attention_ops("triton", DEVICE), dtype)
+    ref_outs, ref_cache = _pipeline(get_ops("torch", DEVICE), dtype)
+    outs, cache = _pipeline(get_ops("triton", DEVICE), dtype)
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
     tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     for a, b in zip(outs, ref_outs):

@@ -103,11 +103,11 @@ def test_bad_block_ids_raise_instead_of_reading_outside_the_pool(native):
 
 
 def test_auto_backend_on_cpu_is_the_cpu_set():
-    ops = kernels.get_attention_ops("auto", "cpu")
-    assert ops.name == "cpu" and ops.paged_attention_decode is paged_attention_decode_cpu
+    ops = kernels.get_ops("auto", "cpu")
+    assert ops.name == "cpu"
     assert ops.paged_attention_prefill is paged_attention_prefill_cpu is kernels.paged_attention_prefill_cpu
     with pytest.raises(ValueError, match="CPU devices only"):
-        kernels.get_attention_ops("cpu", "meta")
+        kernels.get_ops("cpu", "meta")
 
 
 def test_switch_off_and_missing_compiler_mean_torch_path(monkeypatch, tmp_path):

@@ -1,31 +1,33 @@
-"""engine.models.linear.Linear: the weight-major form gives F.linear's results for every row count."""
+"""The cpu op set's linear (one policy: C kernel, oneDNN, F.linear) gives F.linear's results for every
+row count, bound or checked, and with the C kernel and oneDNN switched off (the weight-major form)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.linear import WEIGHT_MAJOR_ROWS, Linear, use_weight_major
+from kernels.cpu_ops import WEIGHT_MAJOR_ROWS, cpu_linear, cpu_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 4, 10, 11, 64])
-def test_linear_matches_f_linear(rows, bias, dtype):
+@pytest.mark.parametrize("form", ["bound", "checked", "weight_major"])
+def test_linear_matches_f_linear(rows, bias, dtype, form, monkeypatch):
     torch.manual_seed(rows)
-    layer = Linear(96, 160, bias=bias).to(dtype)
-    x = torch.randn(rows, 96, dtype=dtype)
-    out = layer(x)
+    if form == "weight_major":  # neither the C kernel nor oneDNN: W @ x^T for 2-10 float32 rows
+        monkeypatch.setattr("kernels.cpu_ops.covers", lambda x, w: False)
+        monkeypatch.setattr("kernels.onednn_linear.covers", lambda x, w: False)
+    linear = cpu_ops(dtype).linear if form == "bound" else cpu_linear
+    w, x = torch.randn(160, 96, dtype=dtype), torch.randn(rows, 96, dtype=dtype)
+    b = torch.randn(160, dtype=dtype) if bias else None
+    with torch.inference_mode():
+        out = linear(x, w, b)
     assert out.shape == (rows, 160) and out.is_contiguous() and out.dtype == dtype
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **tol)
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, F.linear(x, w, b), **tol)
 
 
-def test_weight_major_form_only_for_small_float32_cpu_batches():
-    w32, w16 = torch.empty(8, 4), torch.empty(8, 4, dtype=torch.bfloat16)
-    assert use_weight_major(torch.empty(4, 4), w32)
-    assert not use_weight_major(torch.empty(1, 4), w32)  # one row: F.linear is as fast
-    assert not use_weight_major(torch.empty(max(WEIGHT_MAJOR_ROWS) + 1, 4), w32)
-    assert not use_weight_major(torch.empty(4, 4, dtype=torch.bfloat16), w16)  # measured slower in bf16
-    assert not use_weight_major(torch.empty(2, 3, 4), w32)
+def test_weight_major_rows_are_small_batches():
+    assert 1 not in WEIGHT_MAJOR_ROWS and 11 not in WEIGHT_MAJOR_ROWS and 4 in WEIGHT_MAJOR_ROWS
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -89,9 +91,9 @@ def test_float32_rows_outside_the_c_kernel_go_to_onednn(rows, monkeypatch):
     calls = []
     real = onednn_linear.linear_covered
     monkeypatch.setattr(onednn_linear, "linear_covered", lambda *a: calls.append(a[0].shape) or real(*a))
-    layer = Linear(96, 160, bias=True)
+    w, b = torch.randn(160, 96), torch.randn(160)
     x = torch.randn(rows, 96)
     with torch.inference_mode():
-        out = layer(x)
+        out = cpu_linear(x, w, b)
     assert calls == [(rows, 96)]
-    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,153 @@
+"""The "cpu" op set: the C kernels, bound once for one model dtype.
+
+Two forms of each op:
+  * the launchers (``add_rms_norm_cpu``, ``paged_attention_decode_cpu``, ``store_kv_cpu``,
+    ``cpu_linear`` ...) check shapes, dtypes and strides on every call and fall back to the torch
+    references for anything the C kernels do not cover: safe to call with anything (tests, debug);
+  * the bound ops (``cpu_ops(dtype)``) hand raw pointers straight to the C kernels. What the
+    launchers check per call is settled once here -- the library loaded, the dtype covered -- or
+    by the model forward's own contract: its activations are row-contiguous, its weights
+    contiguous in the model dtype (``LlamaForCausalLM.bind_ops`` verifies that once). The C
+    kernels still check every block id and slot they read or write.
+
+Why bound ops: decoding a few sequences (beams, n>1 samples, small batches) costs little
+arithmetic per layer, so Python's share shows. Measured on SmolLM2 float32 (AVX-512 machine), a
+4-row decode forward took 30.3 ms through modules and checking launchers and 24.1 ms through
+direct kernel calls, most of the rest being the weight read.
+
+Linear policy (one place): the C kernel for 2-16 rows in float32 (2-8 in bfloat16 where the CPU
+has AVX512-BF16; see kernels/linear_cpu.py), oneDNN for the other float32 row counts (MKL's sgemm
+takes an AVX2 path on AMD CPUs; kernels/onednn_linear.py), F.linear otherwise. Without a C
+compiler and without oneDNN, W @ x^T for 2-10 float32 rows, which measured faster than F.linear
+on the machine it was tuned on.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import onednn_linear
+from ._native import NativeKernels, native_kernels
+from .copy_blocks import copy_blocks_torch
+from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
+from .linear_cpu import covers, linear_covered, rows_covered
+from .ops import KernelOps
+from .paged_attention_cpu import paged_attention_decode_cpu, paged_attention_prefill_cpu
+from .cpu_store_kv import store_kv_cpu
+
+# Row counts for which W @ x^T is used (float32 on CPU) when neither the C kernel nor oneDNN is there.
+WEIGHT_MAJOR_ROWS = range(2, 11)
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The linear policy above, checking its operands on every call (any operands: F.linear's result)."""
+    if covers(x, weight):
+        return linear_covered(x, weight, bias)
+    if onednn_linear.covers(x, weight):
+        return onednn_linear.linear_covered(x, weight, bias)
+    if not (x.dim() == 2 and x.shape[0] in WEIGHT_MAJOR_ROWS and weight.dtype == torch.float32
+            and weight.device.type == "cpu"):
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()  # [out, M] -> [M, out]
+    return out if bias is None else out.add_(bias)
+
+
+def checked_cpu_ops() -> KernelOps:
+    """The launchers: every call checked, the references wherever a C kernel does not apply."""
+    return KernelOps("cpu", cpu_linear, add_rms_norm_cpu, silu_mul_cpu, rope_cpu, store_kv_cpu,
+                     paged_attention_decode_cpu, paged_attention_prefill_cpu, copy_blocks_torch)
+
+
+def cpu_ops(dtype: torch.dtype, *, checked: bool = False) -> KernelOps:
+    native = native_kernels()
+    if checked or native is None or not native.has_dtype(dtype):
+        return checked_cpu_ops()
+    return _BoundCpuOps(native, dtype).ops()
+
+
+class _BoundCpuOps:
+    """Closures over one dtype's C entry points (see the module docstring for their contract)."""
+
+    def __init__(self, native: NativeKernels, dtype: torch.dtype) -> None:
+        self.native, self.dtype = native, dtype
+        self.c_linear = native.linear_for(dtype)
+        self.linear_rows = rows_covered(native, dtype)
+        use_onednn = dtype == torch.float32 and onednn_linear.onednn_linear_available()
+        self.other_linear = _onednn if use_onednn else F.linear
+        self.norm_fn = native.elementwise_for("add_rms_norm", dtype)
+        self.silu_mul_fn = native.elementwise_for("silu_mul", dtype)
+        self.rope_fn = native.elementwise_for("rope", dtype)
+        self.decode_fn = native.decode_for(dtype)
+
+    def ops(self) -> KernelOps:
+        return KernelOps("cpu", self.linear, self.add_rms_norm, self.silu_mul, self.rope, self.store_kv,
+                         self.decode, paged_attention_prefill_cpu, copy_blocks_torch)
+
+    # x: [M, K] rows contiguous; weight [N, K] and bias [N] contiguous, all in the bound dtype.
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        m = x.shape[0]
+        if m not in self.linear_rows:
+            return self.other_linear(x, weight, bias)
+        n, k = weight.shape
+        out = torch.empty((m, n), dtype=self.dtype)  # [M, N]
+        self.c_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                      m, n, k, x.stride(0), n, torch.get_num_threads())
+        return out
+
+    # x, residual: [T, H] contiguous. Writes the new residual into `residual` (layer 0: it is x).
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, h = x.shape
+        out = torch.empty((rows, h), dtype=self.dtype)  # [T, H]
+        new_residual = x if residual is None else residual
+        self.norm_fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                     new_residual.data_ptr(), out.data_ptr(), rows, h, h, h, h, h, eps, torch.get_num_threads())
+        return out, new_residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] contiguous -> [T, I]
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=self.dtype)
+        self.silu_mul_fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, width, width // 2,
+                         torch.get_num_threads())
+        return out
+
+    # x: [T, NH, D] with packed heads (the q/k slice of a qkv row); rotated in place.
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rows, nh, d = x.shape
+        self.rope_fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, nh, d, x.stride(0), cos.stride(0),
+                     torch.get_num_threads())
+        return x
+
+    # key/value: [T, Hkv, D], each token's heads contiguous; caches [NB, BS, Hkv, D] contiguous;
+    # slot_mapping int64 contiguous.
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        nb, bs, hkv, d = k_cache.shape
+        size = key.element_size()
+        bad = self.native.store_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   slot_mapping.data_ptr(), key.shape[0], hkv * d * size, key.stride(0) * size,
+                                   value.stride(0) * size, k_cache.stride(1) * size, v_cache.stride(1) * size,
+                                   nb * bs)
+        if bad:
+            raise IndexError(f"store_kv: slot_mapping holds slots outside [0, {nb * bs})")
+
+    # query [B, Hq, D] (head rows contiguous); block_tables [B, W] int32 contiguous with W covering
+    # every seq_len; seq_lens [B] int32 -- as the model runner builds them.
+    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+        b, hq, d = query.shape
+        nb, bs, hkv, _ = k_cache.shape
+        n = self.native
+        if hq // hkv > n.max_group or d > n.max_head_dim or bs > n.max_block_size:
+            return paged_attention_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        out = torch.empty((b, hq, d), dtype=self.dtype)  # [B, Hq, D]
+        bad = self.decode_fn(
+            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+            out.data_ptr(), b, hq, hkv, d, bs, block_tables.stride(0), nb, query.stride(0), query.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), hq * d, d, float(scale), torch.get_num_threads())
+        if bad:  # the kernel checks every block id it would read before reading any
+            raise IndexError(f"paged_attention_decode: block_tables holds block ids outside [0, {nb})")
+        return out
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [M, N]

@@ -1,0 +1,74 @@
+"""One forward, several op sets: the model's single forward under the bound CPU ops gives the bits of
+the checking CPU launchers and agrees with the torch references, on decode-only and mixed steps."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from kernels import native_kernels
+from kernels.cpu_ops import checked_cpu_ops
+from kernels.ops import reference_ops
+
+# bfloat16: the C kernels and the references round at different points; a few KV elements land one
+# bfloat16 step apart after several layers (measured: 3 of 393,216 by 0.13).
+TOL = {"float32": {"atol": 1e-4, "rtol": 1e-4}, "bfloat16": {"atol": 0.25, "rtol": 0.1}}
+
+
+def _llm(path, dtype, **kwargs):
+    return LLM(model=str(path), dtype=dtype, num_kv_blocks=96, max_num_seqs=16, enable_prefix_caching=False,
+               **kwargs)
+
+
+def _run_with(model, ops, input_ids, positions, kv_cache, attn):
+    bound = model.ops
+    model.bind_ops(ops)
+    try:
+        return model(input_ids, positions, kv_cache, attn)
+    finally:
+        model.bind_ops(bound)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # MHA; GQA with q/k/v biases; MQA
+@pytest.mark.parametrize("batch", [1, 3, 12])  # 1: oneDNN / F.linear; 3: C linears; 12: past bf16's 8 C rows
+def test_bound_cpu_ops_match_checked_launchers_and_references(tiny_model_factory, monkeypatch, arch, dtype, batch):
+    if native_kernels() is None:
+        pytest.skip("no C compiler: the cpu set is the checking launchers (references)")
+    llm = _llm(tiny_model_factory(arch), dtype)
+    runner = llm.engine.runner
+    assert runner.model.ops.name == "cpu"
+    live_forward = runner._forward
+    steps = {"decode": 0, "mixed": 0}
+
+    def compare(input_ids, positions, attn):
+        before = runner.kv_cache.clone()
+        results = {}
+        for name, ops in (("checked", checked_cpu_ops()), ("reference", reference_ops())):
+            runner.kv_cache.copy_(before)
+            out = _run_with(runner.model, ops, input_ids, positions, runner.kv_cache, attn)
+            results[name] = (out, runner.kv_cache.clone())
+        runner.kv_cache.copy_(before)
+        out = live_forward(input_ids, positions, attn)
+        assert torch.equal(out, results["checked"][0])  # the same kernels on the same operands
+        assert torch.equal(runner.kv_cache, results["checked"][1])
+        torch.testing.assert_close(out, results["reference"][0], **TOL[dtype])
+        torch.testing.assert_close(runner.kv_cache, results["reference"][1], **TOL[dtype])
+        steps["decode" if attn.num_decode_tokens == input_ids.shape[0] else "mixed"] += 1
+        return out
+
+    monkeypatch.setattr(runner, "_forward", compare)
+    prompts = [{"prompt_token_ids": [7 + 11 * i + j for j in range(3 + 5 * i)]} for i in range(batch)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5] * batch
+    assert steps["decode"] and steps["mixed"]
+    llm.engine.check_integrity()
+    assert llm.kv_cache_usage()["num_in_use"] == 0
+
+
+def test_backends_bind_their_op_sets(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    assert _llm(path, "float32", attention_backend="torch").engine.runner.model.ops.name == "torch"
+    model = _llm(path, "float32").engine.runner.model
+    assert model.ops.name == "cpu" and not any(p.requires_grad for p in model.parameters())
+    with pytest.raises(ValueError, match="contiguous"):
+        model.model.layers[0].self_attn.o_proj.weight.data = model.model.layers[0].self_attn.o_proj.weight.data.t()
+        model.bind_ops(model.ops)
