@@ -58,8 +58,6 @@ async def tokenize(request: Request) -> Response:
     engine = state.require_engine()
     req = decode_request(await request.body(), TokenizeRequest)
     state.model_name(req.model)
-    core = engine.engine
-    tokenizer = core.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "Pass exactly one of prompt and messages.", param="prompt")
     if req.messages is not None:
@@ -68,9 +66,9 @@ async def tokenize(request: Request) -> Response:
                           continue_final_message=False, template_kwargs=None, tools=parse_tool_request(req.tools))
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = tokenizer(req.prompt, add_special_tokens=add_special).input_ids
-    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-    return _json(TokenizeResponse(len(ids), core.max_model_len, ids, strs))
+        ids = engine.tokenize(req.prompt, add_special_tokens=add_special)
+    strs = engine.token_strings(ids) if req.return_token_strs else None
+    return _json(TokenizeResponse(len(ids), engine.model_info.max_model_len, ids, strs))
 
 
 @post("/detokenize", status_code=200, guards=[require_api_key], tags=["Tokenizer"],
@@ -80,11 +78,7 @@ async def detokenize(request: Request) -> Response:
     engine = state.require_engine()
     req = decode_request(await request.body(), DetokenizeRequest)
     state.model_name(req.model)
-    core = engine.engine
-    vocab = core.model_config.vocab_size
-    if not all(0 <= t < vocab for t in req.tokens):
-        raise OpenAIError(400, f"tokens must be ids in [0, {vocab}).", param="tokens")
-    return _json(DetokenizeResponse(core.tokenizer.decode(req.tokens)))
+    return _json(DetokenizeResponse(engine.detokenize(req.tokens)))
 
 
 MISC_ROUTES = [health, metrics, version, tokenize, detokenize]

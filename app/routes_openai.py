@@ -74,20 +74,19 @@ async def create_completion(request: Request) -> Response:
     if req.echo and req.logprobs is not None:
         raise OpenAIError(400, "echo together with logprobs is not supported.", param="echo")
     prompts = completion_prompts(req.prompt)
-    core = engine.engine
     params = sampling_params(
         req, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
-        logprobs=req.logprobs, vocab_size=core.model_config.vocab_size,
+        logprobs=req.logprobs, vocab_size=engine.model_info.vocab_size,
     )
     request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     state.admit(engine, len(prompts))
     run = await Run.start(engine, state.metrics, prompts, params, request_id, priority=req.priority or 0,
                           cache_salt=req.cache_salt)
     created = int(time.time())
-    decode = core.detokenizer.decode_token
+    decode = engine.decode_token
 
     def prompt_text(out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else core.tokenizer.decode(out.prompt_token_ids)
+        return out.prompt if out.prompt is not None else engine.detokenize(out.prompt_token_ids)
 
     if req.stream:
         include_usage, continuous = _stream_flags(req)
@@ -155,7 +154,6 @@ async def create_chat_completion(request: Request) -> Response:
     engine = state.require_engine()
     req = decode_request(await request.body(), ChatCompletionRequest)
     model = state.model_name(req.model)
-    core = engine.engine
     conversation = chat_conversation(req.messages)
     top = req.top_logprobs
     if top is not None and top > 0 and not req.logprobs:
@@ -164,7 +162,7 @@ async def create_chat_completion(request: Request) -> Response:
         raise OpenAIError(400, f"top_logprobs must be in [0, 20], got {top}.", param="top_logprobs")
     k = (top or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, vocab_size=core.model_config.vocab_size)
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, vocab_size=engine.model_info.vocab_size)
     # The template with tools, tool calls and tool results, plus the tool-call grammar (engine/tool_calls.py).
     prepare = functools.partial(
         state.tool_chat.prepare, conversation, req.tools, req.tool_choice, req.parallel_tool_calls,
@@ -181,7 +179,7 @@ async def create_chat_completion(request: Request) -> Response:
     run = await Run.start(engine, state.metrics, [{"prompt_token_ids": prompt_ids}], params, request_id,
                           priority=req.priority or 0, cache_salt=req.cache_salt)
     created = int(time.time())
-    decode = core.detokenizer.decode_token
+    decode = engine.decode_token
     if req.stream:
         include_usage, continuous = _stream_flags(req)
         events = _chat_events(run, request_id, created, model, params.n, k, include_usage, continuous, decode,
@@ -255,9 +253,8 @@ async def _chat_events(run: Run, request_id: str, created: int, model: str, n: i
 async def list_models(request: Request) -> Response:
     state = _state(request)
     engine = state.require_engine()
-    core = engine.engine
-    root = str(core.config.model)
-    cards = [ModelCard(name, state.created, root, core.max_model_len) for name in state.model_names]
+    info = engine.model_info
+    cards = [ModelCard(name, state.created, info.model, info.max_model_len) for name in state.model_names]
     return _json(ModelList(cards))
 
 
@@ -266,8 +263,8 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
     state = _state(request)
     engine = state.require_engine()
     name = state.model_name(model_id.lstrip("/"))
-    core = engine.engine
-    return _json(ModelCard(name, state.created, str(core.config.model), core.max_model_len))
+    info = engine.model_info
+    return _json(ModelCard(name, state.created, info.model, info.max_model_len))
 
 
 OPENAI_ROUTES = [create_completion, create_chat_completion, list_models, retrieve_model]

@@ -49,7 +49,7 @@ def create_app(
     if served_model_names:
         names = tuple(served_model_names)
     elif engine is not None:
-        names = (str(engine.engine.config.model),)
+        names = (engine.model_info.model,)
     else:
         raise ValueError("served_model_names is required when the engine is not given")
     if max_waiting_requests < 0:
@@ -169,13 +169,12 @@ async def _serve_async(args: argparse.Namespace, config: EngineConfig) -> int:
         return 1
     engine.start()
     state.attach(engine)
-    core = engine.engine
-    kv_tokens = core.blocks.num_blocks * core.config.block_size
+    info = engine.model_info
     logger.info(
         "ready: model %s (served as %s), dtype %s, device %s, KV cache %d blocks x %d tokens = %d tokens, "
         "max_model_len %d; OpenAI API at %s/v1",
-        config.model, ", ".join(names), core.config.dtype, core.device, core.blocks.num_blocks,
-        core.config.block_size, kv_tokens, core.max_model_len, url,
+        config.model, ", ".join(names), info.dtype, info.device, info.num_kv_blocks,
+        info.block_size, info.kv_cache_tokens, info.max_model_len, url,
     )
     try:
         await serving

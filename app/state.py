@@ -33,7 +33,7 @@ class ServerState:
     def attach(self, engine: AsyncEngine) -> None:
         """The engine finished loading (serve() builds it after the port is open)."""
         self.engine = engine
-        self.tool_chat = ToolChat(engine.engine.tokenizer)
+        self.tool_chat = engine.tool_chat
 
     @property
     def ready(self) -> bool:
@@ -66,7 +66,7 @@ class ServerState:
     def admit(self, engine: AsyncEngine, count: int) -> None:
         """Refuse work beyond what the engine can run plus --max-waiting-requests (429 + Retry-After).
         Call right before submitting (no await in between): the engine counts requests it was given."""
-        capacity = engine.engine.config.max_num_seqs + self.max_waiting_requests
+        capacity = engine.model_info.max_num_seqs + self.max_waiting_requests
         if engine.num_in_flight() + count > capacity:
             raise OpenAIError(
                 429, f"The server is overloaded ({engine.num_in_flight()} requests in flight, limit {capacity}); "

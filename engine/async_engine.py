@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.engine import Engine, PromptInput
 from engine.errors import EngineDeadError, InvalidRequestError, PrefixServeError
+from engine.frontend import FrontendSurface
 from engine.outputs import RequestOutput
 from engine.process_setup import prepare_process
 from engine.sampling_params import SamplingParams
@@ -66,9 +67,9 @@ class _Sink:
         return True
 
 
-class AsyncEngine:
+class AsyncEngine(FrontendSurface):
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        self.engine = self._core = engine
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._thread: threading.Thread | None = None

@@ -8,17 +8,28 @@ from dataclasses import dataclass
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine, PromptInput
 from engine.errors import InvalidRequestError
+from engine.async_engine import AsyncEngine
+from engine.frontend import FrontendSurface
 from engine.outputs import RequestOutput
 from engine.process_setup import prepare_process
 from engine.sampling_params import SamplingParams
 
 
-class LLM:
+class LLM(FrontendSurface):
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
         config = EngineConfig(model=model, **engine_args)
         prepare_process(config.device)  # process-wide set-up, once (gc freeze, malloc tuning)
-        self.engine = Engine(config)
+        self.engine = self._core = Engine(config)
         self._ids = itertools.count()
+        self._async: AsyncEngine | None = None
+
+    def as_async_engine(self) -> AsyncEngine:
+        """An AsyncEngine over this LLM's engine (made once; started by whoever uses it), so that
+        front-ends drive an offline LLM the way the server drives its engine. Do not call
+        ``generate`` while its loop runs: one engine, one driver at a time."""
+        if self._async is None:
+            self._async = AsyncEngine(self.engine)
+        return self._async
 
     def generate(
         self,
@@ -64,18 +75,6 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(
-        self, conversation: list[dict], add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
-    ) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template.", param="messages")
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-        )
-        # The template already holds any BOS token: do not add special tokens twice.
-        return tokenizer(text, add_special_tokens=False).input_ids
-
     def beam_search(
         self, prompts: PromptInput | Seq[PromptInput], params: "BeamSearchParams", *, use_tqdm: bool = False
     ) -> list["BeamSearchOutput"]:
@@ -93,9 +92,6 @@ class LLM:
             ])
             for o in outs
         ]
-
-    def get_tokenizer(self):
-        return self.engine.tokenizer
 
     def kv_cache_usage(self) -> dict[str, int]:
         return self.engine.kv_cache_usage()

@@ -20,7 +20,7 @@ from engine.sampler import SampleResult, SampleRow, Sampler
 from engine.scheduler_output import SampleSpec, ScheduledRow, SchedulerOutput
 from engine.structured_output import GrammarMask, StructuredOutputManager
 from kernels import KernelOps
-from prefix_cache import KVTransfers, TransferTimings
+from prefix_cache import TransferTimings
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

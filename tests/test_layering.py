@@ -72,6 +72,57 @@ def test_app_and_integrations_use_only_the_engines_public_api(package):
     assert not _violations(package, allowed)
 
 
+# Engine internals a front-end must never touch, however it got hold of them.
+# ("runner" is not listed: the LangChain backend has runners of its own; an engine's runner is
+# still caught below, as a non-public attribute of an engine holder.)
+ENGINE_INTERNALS = {"detokenizer", "model_config", "blocks", "scheduler", "tiers", "_core", "kv_cache"}
+# Names under which app/ and integrations/ hold an engine (AsyncEngine or LLM).
+ENGINE_HOLDERS = {"engine", "_engine", "llm", "_llm"}
+
+
+def _engine_public_names() -> set[str]:
+    from engine import LLM, AsyncEngine
+
+    return {n for cls in (AsyncEngine, LLM) for n in dir(cls) if not n.startswith("_")}
+
+
+def _reach_through(path: pathlib.Path, public: set[str]) -> list[str]:
+    """Attribute accesses that reach past the front-end surface: an engine internal by name, or any
+    attribute of an engine holder (`x.engine.<attr>`, `llm.<attr>`) that is not public API."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = node.value
+        held = (isinstance(base, ast.Name) and base.id in ENGINE_HOLDERS) or (
+            isinstance(base, ast.Attribute) and base.attr in ENGINE_HOLDERS)
+        if node.attr in ENGINE_INTERNALS or (held and node.attr not in public):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["app", "integrations"])
+def test_app_and_integrations_do_not_reach_through_the_engine_at_run_time(package):
+    """Imports can be clean while code still walks `engine.engine.tokenizer`: every attribute taken
+    from an engine must be public API of AsyncEngine / LLM (engine/frontend.py)."""
+    public = _engine_public_names()
+    bad = [hit for path in sorted((ROOT / package).rglob("*.py")) for hit in _reach_through(path, public)]
+    assert not bad, bad
+
+
+def test_reach_through_check_catches_the_old_patterns(tmp_path):
+    public = _engine_public_names()
+    sample = ROOT / "app" / "_reach_through_sample.py"
+    try:
+        sample.write_text("def f(engine, state):\n    a = engine.engine.tokenizer\n"
+                          "    b = state.engine.engine.config.model\n    c = engine.model_info.max_model_len\n"
+                          "    d = x.blocks.num_blocks\n")
+        hits = _reach_through(sample, public)
+    finally:
+        sample.unlink()
+    assert sorted(h.split(": ")[1] for h in hits) == [".blocks", ".config", ".engine", ".engine", ".tokenizer"]
+
+
 def test_no_package_reaches_into_anothers_private_modules():
     bad = [f"{path}: imports {name}" for package in OURS for path, name in _modules(package)
            if _top(name) in OURS and _top(name) != package and any(p.startswith("_") for p in name.split(".")[1:])]

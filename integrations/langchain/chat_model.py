@@ -150,9 +150,9 @@ class ChatPrefixServe(BaseChatModel):
         """The model name a call without `model=` reports (no engine is built, nothing is fetched)."""
         if self.model_name:
             return self.model_name
-        source = self.engine.engine if self.engine is not None else self.llm.engine if self.llm is not None else None
+        source = self.engine if self.engine is not None else self.llm
         if source is not None:
-            return str(source.config.model)
+            return source.model_info.model
         if self.is_remote:
             return "default"  # the server's first served name
         from engine import EngineConfig

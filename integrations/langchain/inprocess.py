@@ -5,10 +5,9 @@ Three ways in, one contract out (see _types.py):
 * `engine=AsyncEngine(...)`: the engine loop runs in its own thread; async calls consume
   `AsyncEngine.generate` directly, sync calls through a helper thread with its own event loop.
   Concurrent calls (`batch`, `abatch`, several agents) are batched by the engine.
-* `llm=LLM(...)`: the offline engine has no loop thread; callers drive `Engine.step()` themselves,
-  cooperatively (`_StepDriver`): whoever needs output steps the engine under a lock and hands every
-  request's output to its owner, so concurrent sync calls still share steps. Async calls run the
-  same driver in a helper thread.
+* `llm=LLM(...)`: the offline LLM's engine, driven like the server's: through the AsyncEngine the
+  LLM hands out (`LLM.as_async_engine()`), whose loop thread this backend starts on first use and
+  stops on close. Do not call `llm.generate` while the chat model is in use (one engine, one driver).
 * `model="name-or-path"`: an AsyncEngine built on first use from `EngineConfig(model=...,
   **engine_kwargs)`; a per-call `model=` naming another model builds (and keeps) another one.
 
@@ -20,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -38,7 +35,7 @@ from engine import (
     StructuredOutputsParams,
     ToolChat,
 )
-from integrations.langchain._bridge import aiterate_in_thread, iterate_in_thread
+from integrations.langchain._bridge import iterate_in_thread
 from integrations.langchain._types import (
     CallOptions,
     Choice,
@@ -126,9 +123,10 @@ class _Runner:
     """One engine: its tool layer and its request outputs, sync and async."""
 
     tool_chat: ToolChat
+    engine: AsyncEngine
 
     def decode(self, token: int) -> str:
-        return self.tool_chat.tokenizer.decode([token])
+        return self.engine.decode_token(token)
 
     async def outputs(self, prompt: list[int], params: SamplingParams, cache_salt: str | None,
                       deadline: float | None) -> AsyncIterator[RequestOutput]:
@@ -146,7 +144,7 @@ class _AsyncEngineRunner(_Runner):
     def __init__(self, engine: AsyncEngine, *, owned: bool) -> None:
         self.engine = engine
         self.owned = owned
-        self.tool_chat = ToolChat(engine.engine.get_tokenizer())
+        self.tool_chat = engine.tool_chat
 
     async def outputs(self, prompt, params, cache_salt, deadline):
         stream = self.engine.generate({"prompt_token_ids": prompt}, params, cache_salt=cache_salt)
@@ -175,80 +173,6 @@ class _AsyncEngineRunner(_Runner):
             done = threading.Thread(target=lambda: asyncio.run(self.engine.shutdown()), daemon=True)
             done.start()
             done.join()
-
-
-class _StepDriver(_Runner):
-    """Drives an offline `LLM`'s Engine from the callers' own threads.
-
-    Invariant: `engine.step()` runs only under `_lock`, and every output it returns goes to the inbox
-    of the request that owns it (outputs of requests nobody waits for, e.g. the LLM's own, are
-    dropped: do not run `llm.generate` concurrently with this chat model).
-    """
-
-    def __init__(self, llm: LLM) -> None:
-        self.engine = llm.engine
-        self.tool_chat = ToolChat(llm.get_tokenizer())
-        self._lock = threading.Lock()
-        self._inboxes: dict[str, queue.SimpleQueue] = {}
-
-    def iter_outputs(self, prompt, params, cache_salt, deadline):
-        request_id = f"langchain-{uuid.uuid4().hex}"
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
-            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt)
-            self._inboxes[request_id] = inbox
-        finished = False
-        try:
-            while True:
-                try:
-                    item = inbox.get_nowait()
-                except queue.Empty:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise EngineTimeoutError("The request timed out; it was aborted.") from None
-                    self._step(inbox)
-                    continue
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            with self._lock:
-                self._inboxes.pop(request_id, None)
-                if not finished:
-                    self.engine.abort(request_id)
-
-    def _step(self, inbox: queue.SimpleQueue) -> None:
-        with self._lock:
-            if not inbox.empty():  # another caller's step already brought our output
-                return
-            if not self.engine.has_unfinished():
-                inbox.put(EngineAPIError("The engine aborted the request before it finished."))
-                return
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # as AsyncEngine: the running requests fail, the engine goes on
-                for request_id in self.engine.abort_running():
-                    target = self._inboxes.get(request_id)
-                    if target is not None:
-                        error = EngineAPIError(f"The engine failed while running this request: {exc!r}")
-                        error.__cause__ = exc
-                        target.put(error)
-                return
-            for out in outputs:
-                target = self._inboxes.get(out.request_id)
-                if target is not None:
-                    target.put(out)
-
-    async def outputs(self, prompt, params, cache_salt, deadline):
-        source = aiterate_in_thread(lambda: self.iter_outputs(prompt, params, cache_salt, deadline))
-        try:
-            async for out in source:
-                yield out
-        finally:
-            await source.aclose()
 
 
 # -- the backend -----------------------------------------------------------------------------------
@@ -338,9 +262,9 @@ class InProcessBackend:
     def default_model_name(self) -> str:
         if self._model:
             return self._model
-        source = self._engine.engine if self._engine is not None else self._llm.engine if self._llm else None
+        source = self._engine if self._engine is not None else self._llm
         if source is not None:
-            return str(source.config.model)
+            return source.model_info.model
         return EngineConfig().model  # the default model
 
     def _runner(self, model: str | None) -> tuple[str, _Runner]:
@@ -357,12 +281,16 @@ class InProcessBackend:
         if self._engine is not None:
             runner: _Runner = _AsyncEngineRunner(self._engine, owned=False)
         elif self._llm is not None:
-            runner = _StepDriver(self._llm)
+            # The offline LLM is driven as the server drives its engine: an AsyncEngine over the LLM's
+            # engine, whose loop this backend starts and stops (the engine itself stays the LLM's).
+            engine = self._llm.as_async_engine()
+            engine.start()
+            runner = _AsyncEngineRunner(engine, owned=True)
         else:
             return self._build(self.default_model_name())
         # The engine's own model (name or folder) addresses it too.
-        core = self._engine.engine if self._engine is not None else self._llm.engine
-        for alias in (str(core.config.model), str(core.model_path)):
+        info = (self._engine or self._llm).model_info
+        for alias in (info.model, info.model_path):
             self._runners.setdefault(alias, runner)
         return runner
 
