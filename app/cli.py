@@ -6,23 +6,8 @@ import dataclasses
 import logging
 import sys
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as a flag named like the LLM argument (--max-num-seqs ...)."""
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
-            continue
-        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
-        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default: {f.default})")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in values.items() if v is not None})
+from app.args import add_engine_args, engine_config_from_args
+from engine.config import DEFAULT_MODEL
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from types import FrameType
 from litestar import Litestar
 from litestar.datastructures import State
 
+from app.args import engine_config_from_args
 from app.errors import handle_exception
 from app.metrics import ServerMetrics
 from app.openapi import openapi_config
@@ -185,7 +186,5 @@ async def _serve_async(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from app.cli import engine_config_from_args
-
     config = engine_config_from_args(args)  # invalid flags fail here, before binding the port
     return asyncio.run(_serve_async(args, config))
