@@ -8,7 +8,8 @@ module that talks to Redis, ``prefix_cache.redis_store``, is not imported here.
 from .block_pool import BlockPool, NoFreeBlocksError
 from .hashing import BlockKey, block_key, chain_keys, encode_extra_keys
 from .host_pool import HostKVPool
-from .manager import Allocation, BlockListener, BlockManager, PrefixCacheStats, PrefixHit, StaleHitError
+from .interface import Allocation, BlockListener, PrefixCacheStats, PrefixHit, StaleHitError
+from .manager import BlockManager
 from .radix import RadixIndex
 from .tiers import KVTiers, KVTransfers, LoadCostModel, RemoteKVStore, TierLoad, TransferTimings
 
