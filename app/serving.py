@@ -4,11 +4,11 @@ the requests (with disconnect -> abort), and the OpenAI response shapes, streame
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from litestar import Request
 
 from app.errors import OpenAIError, sse_error
@@ -18,135 +18,19 @@ from app.protocol import (
 )
 from engine.async_engine import AsyncEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine import openai_compat
+from engine.sampling_params import SamplingParams
 from engine.tool_calls import ToolChat, ToolRequest
-from engine.structured_output import check_structured_outputs, close_json_schema
 
-MAX_N = 128
-INT64 = (-(2**63), 2**63 - 1)
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 DONE = b"data: [DONE]\n\n"
 
 
 # -- sampling parameters -------------------------------------------------------------------
 def sampling_params(req: Any, *, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
-    """The SamplingParams of a completion or chat request (OpenAI defaults; invalid values -> 400)."""
-    n = 1 if req.n is None else req.n
-    if n > MAX_N:
-        raise OpenAIError(400, f"n must be at most {MAX_N}, got {n}.", param="n")
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "length_penalty"):
-        value = getattr(req, name)
-        if value is not None and not math.isfinite(value):
-            raise OpenAIError(400, f"{name} must be a finite number.", param=name)
-    if req.seed is not None and not INT64[0] <= req.seed <= INT64[1]:
-        raise OpenAIError(400, "seed must be a 64-bit signed integer.", param="seed")
-    logit_bias = None
-    if req.logit_bias:
-        logit_bias = {}
-        for key, bias in req.logit_bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
-            if not 0 <= token < vocab_size:
-                raise OpenAIError(400, f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size}).",
-                                  param="logit_bias")
-            if not math.isfinite(bias):
-                raise OpenAIError(400, "logit_bias values must be finite.", param="logit_bias")
-            logit_bias[token] = bias
-    values: dict[str, Any] = {
-        "n": n,
-        "best_of": req.best_of,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": 0 if req.top_k is None else req.top_k,
-        "min_p": 0.0 if req.min_p is None else req.min_p,
-        "presence_penalty": req.presence_penalty or 0.0,
-        "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "seed": req.seed,
-        "stop": req.stop,
-        "stop_token_ids": req.stop_token_ids,
-        "max_tokens": max_tokens,
-        "min_tokens": req.min_tokens or 0,
-        "logprobs": logprobs,
-        "prompt_logprobs": req.prompt_logprobs,
-        "ignore_eos": bool(req.ignore_eos),
-        "include_stop_str_in_output": bool(req.include_stop_str_in_output),
-        "skip_special_tokens": True if req.skip_special_tokens is None else req.skip_special_tokens,
-        "spaces_between_special_tokens": (True if req.spaces_between_special_tokens is None
-                                          else req.spaces_between_special_tokens),
-        "logit_bias": logit_bias,
-        "use_beam_search": bool(req.use_beam_search),
-        "length_penalty": 1.0 if req.length_penalty is None else req.length_penalty,
-        "early_stopping": False if req.early_stopping is None else req.early_stopping,
-        "structured_outputs": structured_outputs(req),
-    }
-    return SamplingParams(**values)  # its own checks raise InvalidRequestError(param=...) -> 400
-
-
-_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                  "guided_grammar": "grammar"}
-
-
-def structured_outputs(req: Any) -> StructuredOutputsParams | None:
-    """The output constraint of a request: OpenAI's `response_format`, vLLM's `structured_outputs`
-    or its older `guided_*` fields (at most one of them). A malformed or non-compiling constraint
-    is a 400 naming the field it came from."""
-    found: list[tuple[str, StructuredOutputsParams]] = []
-    response_format = getattr(req, "response_format", None)
-    if response_format is not None:
-        spec = _response_format(response_format)
-        if spec is not None:
-            found.append(("response_format", spec))
-    if req.structured_outputs is not None:
-        given = {k: v for k, v in req.structured_outputs.items() if k in _STRUCTURED_KEYS and v is not None}
-        found.append(("structured_outputs", _structured("structured_outputs", **given)))
-    for name, key in _GUIDED_FIELDS.items():
-        if getattr(req, name) is not None:
-            found.append((name, _structured(name, **{key: getattr(req, name)})))
-    if not found:
-        return None
-    if len(found) > 1:
-        raise OpenAIError(400, f"Give one output constraint, not several ({', '.join(n for n, _ in found)}).",
-                          param=found[1][0])
-    param, spec = found[0]
-    try:
-        check_structured_outputs(spec, param=param)  # tokenizer-free compile: fails here, not in the engine
-    except InvalidRequestError as exc:
-        raise OpenAIError(400, str(exc), param=param) from None
-    return spec
-
-
-def _structured(param: str, **fields: Any) -> StructuredOutputsParams:
-    try:
-        return StructuredOutputsParams(**fields)
-    except InvalidRequestError as exc:
-        raise OpenAIError(400, str(exc), param=param) from None
-
-
-def _response_format(value: Any) -> StructuredOutputsParams | None:
-    """OpenAI's response_format: text (no constraint), json_object, json_schema."""
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if kind == "json_schema":
-        json_schema = value.get("json_schema")
-        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
-        if not isinstance(schema, dict):
-            raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema, a JSON Schema "
-                              "object.", param="response_format")
-        # The output always follows the schema; strict mode (as OpenAI's) also closes every object.
-        if json_schema.get("strict") is True:
-            schema = close_json_schema(schema)
-        return StructuredOutputsParams(json=schema)
-    raise OpenAIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                      "{\"type\": \"json_schema\", \"json_schema\": {...}}.", param="response_format")
+    """The SamplingParams of a completion or chat request (engine/openai_compat.py; invalid values -> 400)."""
+    return openai_compat.sampling_params(msgspec.structs.asdict(req), max_tokens=max_tokens, logprobs=logprobs,
+                                         vocab_size=vocab_size)
 
 
 # -- prompts -------------------------------------------------------------------------------
@@ -327,47 +211,22 @@ def usage(finals: Sequence[RequestOutput]) -> Usage:
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
-def finish_reason(output: CompletionOutput) -> str | None:
-    if output.finish_reason in ("stop", "length"):
-        return output.finish_reason
-    return None
-
-
-def _sorted_top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    ranked = sorted(entry.items(), key=lambda item: (item[1].rank if item[1].rank is not None else 1 << 30))
-    return [(tid, lp) for tid, lp in ranked if lp.rank is not None and lp.rank <= k][:k]
-
-
-def _token_text(decode: Callable[[int], str], tid: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else decode(tid)
+finish_reason = openai_compat.finish_reason
 
 
 def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int,
                   decode: Callable[[int], str]) -> ChatLogprobs:
-    content = []
-    for tid, entry in zip(token_ids, entries):
-        chosen = entry.get(tid) or Logprob(float("nan"))
-        text = _token_text(decode, tid, chosen)
-        top = [TopLogprob(_token_text(decode, t, lp), lp.logprob, list(_token_text(decode, t, lp).encode()))
-               for t, lp in _sorted_top(entry, k)]
-        content.append(ChatTokenLogprob(text, chosen.logprob, list(text.encode()), top))
-    return ChatLogprobs(content=content)
+    content = openai_compat.chat_logprobs(token_ids, entries, k, decode)
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(c["token"], c["logprob"], c["bytes"], [TopLogprob(**t) for t in c["top_logprobs"]])
+        for c in content
+    ])
 
 
 def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int,
                         decode: Callable[[int], str], offset: int) -> CompletionLogprobs:
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for tid, entry in zip(token_ids, entries):
-        chosen = entry.get(tid) or Logprob(float("nan"))
-        text = _token_text(decode, tid, chosen)
-        tokens.append(text)
-        token_logprobs.append(chosen.logprob)
-        top = {_token_text(decode, t, lp): lp.logprob for t, lp in _sorted_top(entry, k)}
-        top.setdefault(text, chosen.logprob)  # OpenAI: the sampled token is always listed
-        top_logprobs.append(top)
-        offsets.append(offset)
-        offset += len(text)
-    return CompletionLogprobs(tokens, token_logprobs, top_logprobs, offsets)
+    lp = openai_compat.completion_logprobs(token_ids, entries, k, decode, offset)
+    return CompletionLogprobs(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"])
 
 
 @dataclass(eq=False)

@@ -4,7 +4,9 @@
 """
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine import openai_compat
 from engine.engine import Engine
+from engine.frontend import ModelInfo
 from engine.errors import (
     ContextLengthExceededError,
     EngineDeadError,
@@ -20,6 +22,6 @@ from engine.tool_calls import ToolChat
 
 __all__ = [
     "AsyncEngine", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "ContextLengthExceededError", "Engine", "EngineConfig", "EngineDeadError",
-    "InvalidConfigError", "InvalidRequestError", "LLM", "Logprob", "PrefixServeError", "RequestOutput",
-    "SamplingParams", "StructuredOutputsParams", "ToolChat", "close_json_schema",
+    "InvalidConfigError", "InvalidRequestError", "LLM", "Logprob", "ModelInfo", "PrefixServeError", "RequestOutput",
+    "SamplingParams", "StructuredOutputsParams", "ToolChat", "close_json_schema", "openai_compat",
 ]

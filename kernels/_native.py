@@ -6,11 +6,10 @@ compiling takes about a second. Nothing here is needed for correctness: when no 
 found, the build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0`` is set, :func:`native_kernels`
 returns None and callers keep the torch path (a warning says why, once).
 
-csrc/paged_attention_cpu.c holds paged decode attention (float32 / bfloat16), the KV store, and a
-float32 / bfloat16 linear for a few rows (decode of beams, samples and small batches);
-csrc/prefill_attention_cpu.c float32 paged prefill (causal) attention; csrc/elementwise_cpu.c the
-decoder layer's fused elementwise ops (residual add + RMSNorm, SiLU-and-multiply, rotary embedding). All sources (and the shared header ps_cpu.h) build into one
-library.
+One source file per op under csrc/: paged_attention_decode.c, paged_attention_prefill.c, store_kv.c,
+linear.c (float32 / bfloat16 for a few rows: decode of beams, samples and small batches), and the
+decoder layer's fused elementwise ops add_rms_norm.c, silu_mul.c, rope.c (their shared rounding
+macros in elementwise.h). All sources (and the shared header ps_cpu.h) build into one library.
 
 Links against OpenMP by soname (``libgomp.so.1``): torch's own copy is already loaded in the
 process, so the dynamic linker binds to it and torch and these kernels share one thread pool.
@@ -38,8 +37,9 @@ logger = logging.getLogger(__name__)
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c")
-HEADERS = (CSRC / "ps_cpu.h",)
+SOURCES = tuple(CSRC / f"{op}.c" for op in ("paged_attention_decode", "paged_attention_prefill", "store_kv", "linear",
+                                             "add_rms_norm", "silu_mul", "rope"))
+HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
@@ -71,7 +71,7 @@ class NativeKernels:
     decode_f32: ctypes._CFuncPtr
     decode_bf16: ctypes._CFuncPtr
     prefill_f32: ctypes._CFuncPtr
-    prefill_bf16: ctypes._CFuncPtr  # float32 math on bfloat16 operands (see csrc/prefill_attention_cpu.c)
+    prefill_bf16: ctypes._CFuncPtr  # float32 math on bfloat16 operands (see csrc/paged_attention_prefill.c)
     linear_f32: ctypes._CFuncPtr
     linear_bf16: ctypes._CFuncPtr | None  # None without AVX512-BF16 (F.linear then)
     store_kv: ctypes._CFuncPtr

@@ -29,9 +29,12 @@ from ._common import (
     next_pow2,
 )
 
+from .online_softmax_triton import bind_into
+
 # triton.language, bound by _common.lazy_jit at the first Triton launch: importing this module never
 # imports triton (the kernels' `tl.constexpr` annotations are strings, see `from __future__`).
 tl: Any = None
+paged_kv_tile: Any = None  # the jitted online-softmax tile (online_softmax_triton.py), bound by bind_into
 
 _OP = "paged_attention_decode"
 _IDX = (torch.int32, torch.int64)
@@ -337,40 +340,9 @@ def _decode_kernel(
     v_head = v_cache_ptr + kvh * stride_vh
 
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        p_mask = pos < end
-        blk = tl.load(bt_row + pos // block_size, mask=p_mask, other=0).to(tl.int64)
-        off = (pos % block_size).to(tl.int64)
-        kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(p_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, end, 0, offs_d, d_mask,
+                                      block_size, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                      BLOCK_N, False, UPCAST, IEEE)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -479,6 +451,7 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=N
         part_m = part_l = part_acc = out  # unused
     # The interpreter cannot tl.dot bfloat16 (triton-lang/triton#11584): compute in fp32 there.
     upcast = interpret_mode() and query.dtype == torch.bfloat16
+    bind_into(_decode_kernel)
     kernel = lazy_jit(_KERNELS, _decode_kernel)
     kernel[(b, hkv, num_splits)](
         query,

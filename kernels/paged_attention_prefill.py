@@ -30,9 +30,12 @@ from ._common import (
     next_pow2,
 )
 
+from .online_softmax_triton import bind_into
+
 # triton.language, bound by _common.lazy_jit at the first Triton launch: importing this module never
 # imports triton (the kernels' `tl.constexpr` annotations are strings, see `from __future__`).
 tl: Any = None
+paged_kv_tile: Any = None  # the jitted online-softmax tile (online_softmax_triton.py), bound by bind_into
 
 _OP = "paged_attention_prefill"
 _IDX = (torch.int32, torch.int64)
@@ -222,43 +225,11 @@ def _prefill_kernel(
         bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
         k_head = k_cache_ptr + kvh * stride_kh
         v_head = v_cache_ptr + kvh * stride_vh
+        # every row sees key 0 in the first tile, so m_i is finite from then on
         for n0 in range(0, kv_end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            p_mask = pos < kv_end
-            blk = tl.load(bt_row + pos // block_size, mask=p_mask, other=0).to(tl.int64)
-            off = (pos % block_size).to(tl.int64)
-            kv_mask = p_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            # every row sees key 0 in the first iteration, so m_new is finite from then on
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if UPCAST:
-                v = v.to(tl.float32)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, kv_end, q_pos, offs_d,
+                                          d_mask, block_size, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                          BLOCK_N, True, UPCAST, IEEE)
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -286,6 +257,7 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sc
     block_n = max(16, next_pow2(block_n or 64))
     num_tiles = t // block_q + s  # upper bound on sum_s cdiv(q_len_s, block_q); no device sync
     upcast = interpret_mode() and query.dtype == torch.bfloat16  # triton-lang/triton#11584
+    bind_into(_prefill_kernel)
     kernel = lazy_jit(_KERNELS, _prefill_kernel)
     kernel[(num_tiles, hkv)](
         query,

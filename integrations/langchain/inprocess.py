@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from engine import (
@@ -29,12 +29,11 @@ from engine import (
     AsyncEngine,
     EngineConfig,
     InvalidRequestError,
-    Logprob,
     RequestOutput,
     SamplingParams,
-    StructuredOutputsParams,
     ToolChat,
 )
+from engine import openai_compat
 from integrations.langchain._bridge import iterate_in_thread
 from integrations.langchain._types import (
     CallOptions,
@@ -55,63 +54,22 @@ _PASSED_THROUGH = ("temperature", "top_p", "seed", "top_k", "min_p", "presence_p
 
 
 # -- options -> engine request -------------------------------------------------------------------
-def structured_outputs(response_format: Any) -> StructuredOutputsParams | None:
-    """OpenAI's `response_format` as the engine's constraint (None for plain text)."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, (dict, str)):
-            raise InvalidRequestError("response_format of type json_schema needs json_schema.schema, a JSON Schema "
-                                      "object.", param="response_format")
-        return StructuredOutputsParams(json=schema)
-    raise InvalidRequestError(
-        "response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}, got "
-        f"{response_format!r}.", param="response_format",
-    )
-
-
 def sampling_params(options: CallOptions) -> SamplingParams:
-    """The SamplingParams of one call; OpenAI defaults (max_tokens None: up to the context end)."""
-    values: dict[str, Any] = {"n": options.n, "stop": options.stop, "max_tokens": options.sampling.get("max_tokens")}
-    for name in _PASSED_THROUGH:
-        if name in options.sampling:
-            values[name] = options.sampling[name]
-    if options.logprobs:
-        values["logprobs"] = options.top_logprobs or 0
-    constraint = structured_outputs(options.response_format)
-    if constraint is not None:
-        values["structured_outputs"] = constraint
-    for key, value in options.extra.items():
+    """The SamplingParams of one call: the OpenAI mapping the server uses (engine/openai_compat.py;
+    max_tokens None: up to the context end), then any SamplingParams field given as an extra keyword."""
+    fields = {name: options.sampling[name] for name in _PASSED_THROUGH if name in options.sampling}
+    fields.update(n=options.n, stop=options.stop, response_format=options.response_format)
+    logprobs = (options.top_logprobs or 0) if options.logprobs else None
+    params = openai_compat.sampling_params(fields, max_tokens=options.sampling.get("max_tokens"), logprobs=logprobs,
+                                           vocab_size=None)
+    for key in options.extra:
         if key not in _SAMPLING_FIELDS:
             raise InvalidRequestError(f"{key!r} is not an option of the in-process engine (SamplingParams).",
                                       param=key)
-        values[key] = value
-    return SamplingParams(**values)
+    return dataclasses.replace(params, **options.extra) if options.extra else params
 
 
-def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int,
-                  decode: Callable[[int], str]) -> list[dict[str, Any]]:
-    """OpenAI's `logprobs.content`: per token its text, logprob, bytes and the top k alternatives."""
-    def text_of(token: int, lp: Logprob) -> str:
-        return lp.decoded_token if lp.decoded_token is not None else decode(token)
-
-    content = []
-    for token, entry in zip(token_ids, entries):
-        chosen = entry.get(token) or Logprob(float("nan"))
-        text = text_of(token, chosen)
-        ranked = sorted((item for item in entry.items() if item[1].rank is not None and item[1].rank <= k),
-                        key=lambda item: item[1].rank)[:k]
-        top = [{"token": text_of(t, lp), "logprob": lp.logprob, "bytes": list(text_of(t, lp).encode())}
-               for t, lp in ranked]
-        content.append({"token": text, "logprob": chosen.logprob, "bytes": list(text.encode()), "top_logprobs": top})
-    return content
+chat_logprobs = openai_compat.chat_logprobs
 
 
 def _num_chars(messages: list[dict]) -> int:

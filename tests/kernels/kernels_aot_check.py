@@ -22,6 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from kernels import copy_blocks, paged_attention_decode, paged_attention_prefill, store_kv  # noqa: E402
+from kernels.online_softmax_triton import bind_into  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMEM = 227 * 1024
@@ -31,6 +32,7 @@ failures = 0
 def check(name, fn, types, consts):
     global failures
     fn.__globals__["tl"] = triton.language  # what kernels._common.lazy_jit does at first launch
+    bind_into(fn)  # and the shared online-softmax tile the attention kernels call
     jf = JITFunction(fn)
     signature = {n: ("constexpr" if n in consts else types(n)) for n in jf.arg_names}
     try:
