@@ -10,7 +10,7 @@ process; reports milliseconds and the ratio ("c_ms" is ours).
   chunk after 1,536 cached tokens (bfloat16 on an AMX CPU: SDPA on both sides);
 * linears over all 30 layers' weights (qkv, o, gate_up, down) plus the tied lm_head, one decode
   step at 4 / 8 / 16 rows: bound by reading ~540 MB (float32) or ~270 MB (bfloat16) of weights;
-* float32 linears through oneDNN (kernels/onednn_linear.py) vs F.linear (MKL), the same 30
+* float32 linears through oneDNN (kernels/cpu/onednn_linear.py) vs F.linear (MKL), the same 30
   layers: one decode step at 1 and 64 rows, and a 2,048-token prefill chunk;
 * the decoder layer's elementwise ops (residual add + RMSNorm, SiLU-and-multiply, rotary) at 4
   rows (decode) and 2,048 rows (a prefill chunk).
@@ -49,7 +49,7 @@ def ms(fn, repeat: int) -> float:
 
 
 def attention_cases(dtype: torch.dtype, repeat: int) -> dict:
-    from kernels.paged_attention_cpu import paged_attention_decode_cpu
+    from kernels.cpu.paged_attention import paged_attention_decode_cpu
     from kernels.paged_attention_decode import paged_attention_decode_torch
 
     out = {}
@@ -71,7 +71,7 @@ def attention_cases(dtype: torch.dtype, repeat: int) -> dict:
 
 
 def prefill_attention_cases(dtype: torch.dtype, repeat: int) -> dict:
-    from kernels.paged_attention_cpu import paged_attention_prefill_cpu
+    from kernels.cpu.paged_attention import paged_attention_prefill_cpu
     from kernels.paged_attention_prefill import paged_attention_prefill_torch
 
     out = {}
@@ -94,7 +94,7 @@ def prefill_attention_cases(dtype: torch.dtype, repeat: int) -> dict:
 
 
 def onednn_linear_cases(dtype: torch.dtype, repeat: int) -> dict:
-    from kernels.onednn_linear import covers, linear_covered
+    from kernels.cpu.onednn_linear import covers, linear_covered
 
     # bfloat16 (F.linear is oneDNN already) or no oneDNN here: no case
     return _linear_step_cases("onednn linear 30 layers", covers, linear_covered, dtype, repeat, (1, 64, 2048),
@@ -102,7 +102,7 @@ def onednn_linear_cases(dtype: torch.dtype, repeat: int) -> dict:
 
 
 def linear_cases(dtype: torch.dtype, repeat: int) -> dict:
-    from kernels.linear_cpu import covers, linear_covered
+    from kernels.cpu.linear import covers, linear_covered
 
     return _linear_step_cases("linear step", covers, linear_covered, dtype, repeat, (4, 8, 16), lm_head=True, seed=1)
 
@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--name", default="cpu_kernels")
     args = ap.parse_args()
 
-    from kernels._native import native_kernels
+    from kernels.cpu.native import native_kernels
 
     if native_kernels() is None:
         sys.exit("cpu_kernels: the C kernels are unavailable here (no C compiler, or PREFIXSERVE_NATIVE_KERNELS=0)")

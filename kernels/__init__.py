@@ -5,7 +5,7 @@
 
 Each op has a torch reference (``<op>_torch``) and, where a backend has its own kernel, that
 kernel with the same signature: Triton (``<op>_triton``; attention, KV store, block copy) and the
-CPU C kernels (``<op>_cpu`` launchers and the bound op set in kernels/cpu_ops.py; built at first
+CPU C kernels (``<op>_cpu`` launchers and the bound op set in kernels/cpu/ops.py; built at first
 use, each falling back to its reference when no C compiler is present, and prefill in bfloat16 to
 SDPA on CPUs with AMX). See docs/CONTRACTS.md for the KV layout and op signatures.
 
@@ -50,15 +50,15 @@ def _load(op: str, backend: str) -> Callable[..., Any]:
 
 def __getattr__(name: str) -> Any:  # lazy access to the per-op functions, e.g. kernels.store_kv_torch
     if name in ("native_kernels", "NativeKernels"):  # the CPU C kernels' entry points (or None)
-        from . import _native
+        from .cpu import native
 
-        return getattr(_native, name)
+        return getattr(native, name)
     if name in ("paged_attention_decode_cpu", "paged_attention_prefill_cpu"):
-        from . import paged_attention_cpu
+        from .cpu import paged_attention
 
-        return getattr(paged_attention_cpu, name)
+        return getattr(paged_attention, name)
     if name == "store_kv_cpu":
-        from .cpu_store_kv import store_kv_cpu
+        from .cpu.store_kv import store_kv_cpu
 
         return store_kv_cpu
     for op in _OPS:

@@ -11,7 +11,7 @@
     copy_blocks(kv_cache[L,2,NB,BS,Hkv,D], pairs[P,2]) -> None
 
 Backends (``get_ops``): "torch" binds the references everywhere; "triton" the Triton attention
-kernels and the references for the rest; "cpu" the C kernels (kernels/cpu_ops.py). A set is bound
+kernels and the references for the rest; "cpu" the C kernels (kernels/cpu/ops.py). A set is bound
 once, at load, for one device and model dtype: where the checks a launcher makes on every call are
 already settled by then (dtype, layout of the model's own tensors), the bound op skips them; the C
 kernels still check every block id and slot they touch. ``PREFIXSERVE_DEBUG_KERNELS=1`` binds the
@@ -87,7 +87,7 @@ def get_ops(backend: str = "auto", device: torch.device | str = "cpu", dtype: to
     """The op set of ``backend`` on ``device`` for a model in ``dtype``, bound once."""
     name = resolve_backend(backend, device)
     if name == "cpu":
-        from .cpu_ops import cpu_ops
+        from .cpu.ops import cpu_ops
 
         return cpu_ops(dtype, checked=debug_kernels())
     return reference_ops() if name == "torch" else triton_ops()

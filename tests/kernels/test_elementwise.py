@@ -1,4 +1,4 @@
-"""The fused elementwise C kernels (csrc/elementwise_cpu.c) against their torch references.
+"""The fused elementwise C kernels (kernels/cpu/csrc/add_rms_norm.c, silu_mul.c, rope.c) against their torch references.
 
 bfloat16 must match the reference bit for bit (every intermediate the reference rounds is rounded
 the same way), except RMSNorm, whose float32 sum of squares is added in another order; float32
@@ -7,15 +7,9 @@ matches to rounding (rotary bit for bit: no FMA contraction).
 import pytest
 import torch
 
-from kernels import _native
-from kernels.elementwise import (
-    add_rms_norm_cpu,
-    add_rms_norm_torch,
-    rope_cpu,
-    rope_torch,
-    silu_mul_cpu,
-    silu_mul_torch,
-)
+from kernels.cpu import native as _native
+from kernels.cpu.elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
+from kernels.elementwise import add_rms_norm_torch, rope_torch, silu_mul_torch
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = [1, 3, 64, 700]  # 700 x 576 > the kernels' threshold for splitting rows over threads

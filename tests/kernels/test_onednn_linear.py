@@ -1,4 +1,4 @@
-"""kernels.onednn_linear: float32 linears through oneDNN give F.linear's results (float32 rounding
+"""kernels.cpu.onednn_linear: float32 linears through oneDNN give F.linear's results (float32 rounding
 apart), and every operand it does not cover goes to F.linear unchanged."""
 import pathlib
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.onednn_linear import ENV_SWITCH, covers, onednn_linear, onednn_linear_available
+from kernels.cpu.onednn_linear import ENV_SWITCH, covers, onednn_linear, onednn_linear_available
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch build without oneDNN, or not x86")
 
@@ -68,7 +68,7 @@ def test_mismatched_shapes_raise():
 
 
 def test_switch_turns_it_off():
-    code = "from kernels.onednn_linear import onednn_linear_available as a; print(a())"
+    code = "from kernels.cpu.onednn_linear import onednn_linear_available as a; print(a())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PATH": "", ENV_SWITCH: "0"}, cwd=pathlib.Path(__file__).parents[2])
     assert out.stdout.strip() == "False"

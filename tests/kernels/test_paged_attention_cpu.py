@@ -10,8 +10,8 @@ import torch
 from kernels_testlib import TOL, PagedKV, naive_attention
 
 import kernels
-from kernels import _native
-from kernels.paged_attention_cpu import paged_attention_decode_cpu, paged_attention_prefill_cpu
+from kernels.cpu import native as _native
+from kernels.cpu.paged_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
 from kernels.paged_attention_decode import paged_attention_decode_torch
 from kernels.paged_attention_prefill import paged_attention_prefill_torch
 
@@ -72,7 +72,7 @@ def test_shared_prefix_batches_run_in_the_c_kernel(native, monkeypatch):
     tables = kv.block_tables.clone()
     tables[1, :2] = tables[0, :2]  # both start with the same two blocks
     query = torch.randn(2, HKV * 3, 64)
-    import kernels.paged_attention_cpu as mod
+    import kernels.cpu.paged_attention as mod
 
     calls = []
     monkeypatch.setattr(mod, "paged_attention_decode_torch", lambda *a: calls.append(a) or paged_attention_decode_torch(*a))
@@ -171,7 +171,7 @@ def _prefill_shapes(bs):
 def kernel_only(monkeypatch):
     """Any call that would reach the reference fails, and bfloat16 takes the kernel as on a CPU
     without AMX (where it does in production), whatever this machine has."""
-    import kernels.paged_attention_cpu as mod
+    import kernels.cpu.paged_attention as mod
 
     monkeypatch.setattr(mod, "cpu_has_amx", lambda: False)
     monkeypatch.setattr(mod, "paged_attention_prefill_torch", lambda *a: pytest.fail("reached the reference"))
@@ -226,7 +226,7 @@ def test_cpu_prefill_int64_metadata_and_strided_query(native):
 def test_cpu_prefill_falls_back_to_reference(native, monkeypatch, dtype, d):
     """bfloat16 on an AMX CPU (SDPA's AMX products are faster), float16, and head dims the kernel
     does not take."""
-    import kernels.paged_attention_cpu as mod
+    import kernels.cpu.paged_attention as mod
 
     monkeypatch.setattr(mod, "cpu_has_amx", lambda: True)
     calls = []

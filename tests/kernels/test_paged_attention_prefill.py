@@ -2,7 +2,7 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, HAS_TRITON, TOL, PagedKV, config_grid, naive_attention, needs_triton, poison_outputs
 
-from kernels.paged_attention_cpu import paged_attention_prefill_cpu
+from kernels.cpu.paged_attention import paged_attention_prefill_cpu
 from kernels.paged_attention_prefill import _launch, paged_attention_prefill_torch, paged_attention_prefill_triton
 
 HKV = 2

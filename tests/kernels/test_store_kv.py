@@ -5,7 +5,7 @@ import torch
 from kernels_testlib import DEVICE, config_grid, needs_triton
 
 from kernels.store_kv import store_kv_torch, store_kv_triton
-from kernels.cpu_store_kv import store_kv_cpu
+from kernels.cpu.store_kv import store_kv_cpu
 
 # The C kernel on CPU (with no C compiler it is the reference, and these still pass).
 _CPU = pytest.param("cpu", marks=pytest.mark.skipif(DEVICE.type != "cpu", reason="a CPU kernel"))

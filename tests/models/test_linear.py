@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import WEIGHT_MAJOR_ROWS, cpu_linear, cpu_ops
+from kernels.cpu.ops import WEIGHT_MAJOR_ROWS, cpu_linear, cpu_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -14,8 +14,8 @@ from kernels.cpu_ops import WEIGHT_MAJOR_ROWS, cpu_linear, cpu_ops
 def test_linear_matches_f_linear(rows, bias, dtype, form, monkeypatch):
     torch.manual_seed(rows)
     if form == "weight_major":  # neither the C kernel nor oneDNN: W @ x^T for 2-10 float32 rows
-        monkeypatch.setattr("kernels.cpu_ops.covers", lambda x, w: False)
-        monkeypatch.setattr("kernels.onednn_linear.covers", lambda x, w: False)
+        monkeypatch.setattr("kernels.cpu.ops.covers", lambda x, w: False)
+        monkeypatch.setattr("kernels.cpu.onednn_linear.covers", lambda x, w: False)
     linear = cpu_ops(dtype).linear if form == "bound" else cpu_linear
     w, x = torch.randn(160, 96, dtype=dtype), torch.randn(rows, 96, dtype=dtype)
     b = torch.randn(160, dtype=dtype) if bias else None
@@ -34,8 +34,8 @@ def test_weight_major_rows_are_small_batches():
 @pytest.mark.parametrize("rows,k,n", [(2, 576, 960), (5, 96, 161), (8, 1536, 576), (9, 37, 64), (16, 576, 3072), (3, 15, 7)])
 def test_c_linear_matches_f_linear(rows, k, n, bias):
     """The C kernel (2-16 rows, float32): every K tail (K % 16), odd N, the second 8-row pass."""
-    from kernels._native import native_kernels
-    from kernels.linear_cpu import covers, linear_cpu
+    from kernels.cpu.native import native_kernels
+    from kernels.cpu.linear import covers, linear_cpu
 
     if native_kernels() is None:
         pytest.skip("no C compiler: Linear keeps the torch forms")
@@ -53,8 +53,8 @@ def test_c_linear_matches_f_linear(rows, k, n, bias):
 def test_c_linear_bf16_matches_f_linear(rows, k, n, bias):
     """bfloat16 (AVX512-BF16 CPUs, 2-8 rows): every K tail (K % 32), odd N; float32 sums rounded once,
     as F.linear's: the same bits but for rare ties of the final rounding."""
-    from kernels._native import native_kernels
-    from kernels.linear_cpu import covers, linear_cpu
+    from kernels.cpu.native import native_kernels
+    from kernels.cpu.linear import covers, linear_cpu
 
     if native_kernels() is None or native_kernels().linear_bf16 is None:
         pytest.skip("no C compiler or no AVX512-BF16: bfloat16 Linear keeps F.linear")
@@ -69,8 +69,8 @@ def test_c_linear_bf16_matches_f_linear(rows, k, n, bias):
 
 
 def test_c_linear_covers_only_small_cpu_batches():
-    from kernels._native import native_kernels
-    from kernels.linear_cpu import BF16_MAX_ROWS, covers
+    from kernels.cpu.native import native_kernels
+    from kernels.cpu.linear import BF16_MAX_ROWS, covers
 
     w = torch.empty(8, 4)
     assert not covers(torch.empty(1, 4), w) and not covers(torch.empty(17, 4), w)
@@ -84,7 +84,7 @@ def test_c_linear_covers_only_small_cpu_batches():
 
 @pytest.mark.parametrize("rows", [1, 17, 64])
 def test_float32_rows_outside_the_c_kernel_go_to_onednn(rows, monkeypatch):
-    from kernels import onednn_linear
+    from kernels.cpu import onednn_linear
 
     if not onednn_linear.onednn_linear_available():
         pytest.skip("torch build without oneDNN, or not x86")

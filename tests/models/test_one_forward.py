@@ -5,7 +5,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from kernels import native_kernels
-from kernels.cpu_ops import checked_cpu_ops
+from kernels.cpu.ops import checked_cpu_ops
 from kernels.ops import reference_ops
 
 # bfloat16: the C kernels and the references round at different points; a few KV elements land one

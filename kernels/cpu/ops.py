@@ -16,8 +16,8 @@ arithmetic per layer, so Python's share shows. Measured on SmolLM2 float32 (AVX-
 direct kernel calls, most of the rest being the weight read.
 
 Linear policy (one place): the C kernel for 2-16 rows in float32 (2-8 in bfloat16 where the CPU
-has AVX512-BF16; see kernels/linear_cpu.py), oneDNN for the other float32 row counts (MKL's sgemm
-takes an AVX2 path on AMD CPUs; kernels/onednn_linear.py), F.linear otherwise. Without a C
+has AVX512-BF16; see kernels/cpu/linear.py), oneDNN for the other float32 row counts (MKL's sgemm
+takes an AVX2 path on AMD CPUs; kernels/cpu/onednn_linear.py), F.linear otherwise. Without a C
 compiler and without oneDNN, W @ x^T for 2-10 float32 rows, which measured faster than F.linear
 on the machine it was tuned on.
 """
@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from . import onednn_linear
-from ._native import NativeKernels, native_kernels
-from .copy_blocks import copy_blocks_torch
+from .native import NativeKernels, native_kernels
+from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
-from .linear_cpu import covers, linear_covered, rows_covered
-from .ops import KernelOps
-from .paged_attention_cpu import paged_attention_decode_cpu, paged_attention_prefill_cpu
-from .cpu_store_kv import store_kv_cpu
+from .linear import covers, linear_covered, rows_covered
+from ..ops import KernelOps
+from .paged_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
+from .store_kv import store_kv_cpu
 
 # Row counts for which W @ x^T is used (float32 on CPU) when neither the C kernel nor oneDNN is there.
 WEIGHT_MAJOR_ROWS = range(2, 11)

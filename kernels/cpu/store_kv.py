@@ -1,4 +1,4 @@
-"""store_kv on CPU through the C kernel in csrc/paged_attention_cpu.c.
+"""store_kv on CPU through the C kernel in csrc/store_kv.c.
 
     store_kv_cpu(key[T,Hkv,D], value[T,Hkv,D], k_cache, v_cache, slot_mapping[T]) -> None
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ._native import native_kernels
-from .store_kv import _validate, store_kv_torch
+from .native import native_kernels
+from ..store_kv import _validate, store_kv_torch
 
 _OP = "store_kv"
 

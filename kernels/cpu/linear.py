@@ -1,4 +1,4 @@
-"""Small-batch float32 / bfloat16 linear on CPU through the C kernel in csrc/paged_attention_cpu.c.
+"""Small-batch float32 / bfloat16 linear on CPU through the C kernel in csrc/linear.c.
 
     linear_cpu(x[M, K], weight[N, K], bias[N] | None) -> out[M, N]      (the signature of F.linear)
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._native import DTYPE_SUFFIX, NativeKernels, native_kernels
+from .native import DTYPE_SUFFIX, NativeKernels, native_kernels
 # bfloat16 rows the C kernel takes: above 8 it makes a second pass over each weight row, and
 # oneDNN's AMX path wins (SmolLM2's 30 layers: 13/16/33 ms per step at 4/8/16 rows vs F.linear's
 # 22/23/24 ms).

@@ -1,5 +1,5 @@
-"""Paged attention on CPU through the C kernels: decode (csrc/paged_attention_cpu.c) and prefill
-(csrc/prefill_attention_cpu.c).
+"""Paged attention on CPU through the C kernels: decode (csrc/paged_attention_decode.c) and prefill
+(csrc/paged_attention_prefill.c).
 
     paged_attention_decode_cpu(query[B,Hq,D], k_cache, v_cache, block_tables[B,max_blocks],
                                seq_lens[B], scale) -> out[B,Hq,D]
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from ._common import cdiv
-from ._native import NativeKernels, cpu_has_amx, native_kernels
-from .paged_attention_decode import _validate, paged_attention_decode_torch
-from .paged_attention_prefill import _validate as _validate_prefill
-from .paged_attention_prefill import check_sequences, paged_attention_prefill_torch
+from .._common import cdiv
+from .native import NativeKernels, cpu_has_amx, native_kernels
+from ..paged_attention_decode import _validate, paged_attention_decode_torch
+from ..paged_attention_prefill import _validate as _validate_prefill
+from ..paged_attention_prefill import check_sequences, paged_attention_prefill_torch
 
 _OP = "paged_attention_decode"
 _PREFILL_OP = "paged_attention_prefill"

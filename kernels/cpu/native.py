@@ -1,4 +1,4 @@
-"""Build and load the CPU C kernels (kernels/csrc/*.c) at first use, through ctypes.
+"""Build and load the CPU C kernels (kernels/cpu/csrc/*.c) at first use, through ctypes.
 
 The shared library is compiled once per source, compiler and CPU (``-march=native``) into
 ``$XDG_CACHE_HOME/prefixserve/kernels/<hash>/`` (``~/.cache`` by default) and reused after that;
