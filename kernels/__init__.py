@@ -1,4 +1,4 @@
-"""prefixserve kernels: one op set per backend behind one interface, ``KernelOps`` (kernels/ops.py).
+"""prefixserve kernels: one op set per backend behind one interface, ``KernelOps`` (kernels/interface.py; get_ops in kernels/ops.py).
 
     get_ops(backend, device, dtype) -> KernelOps: linear, add_rms_norm, silu_mul, rope, store_kv,
         paged_attention_decode, paged_attention_prefill, copy_blocks
@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from .ops import KernelOps, get_ops
+from .interface import KernelOps
+from .ops import get_ops
 
 __all__ = [
     "KernelOps",

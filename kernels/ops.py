@@ -19,34 +19,12 @@ checking launchers instead.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
-DEBUG_SWITCH = "PREFIXSERVE_DEBUG_KERNELS"
+from .interface import KernelOps, debug_kernels
+
 BACKENDS = ("auto", "triton", "torch", "cpu")
-
-
-@dataclass(frozen=True)
-class KernelOps:
-    """One backend's ops (signatures above and in docs/CONTRACTS.md); ``name`` says which."""
-
-    name: str
-    linear: Callable[..., torch.Tensor]
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    silu_mul: Callable[..., torch.Tensor]
-    rope: Callable[..., torch.Tensor]
-    store_kv: Callable[..., None]
-    paged_attention_decode: Callable[..., torch.Tensor]
-    paged_attention_prefill: Callable[..., torch.Tensor]
-    copy_blocks: Callable[..., None]
-
-
-def debug_kernels() -> bool:
-    return os.environ.get(DEBUG_SWITCH, "0").strip().lower() not in ("", "0", "false", "off", "no")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

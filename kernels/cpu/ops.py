@@ -31,7 +31,7 @@ from .native import NativeKernels, native_kernels
 from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
 from .linear import covers, linear_covered, rows_covered
-from ..ops import KernelOps
+from ..interface import KernelOps
 from .paged_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
 from .store_kv import store_kv_cpu
 
