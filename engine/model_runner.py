@@ -97,7 +97,7 @@ class ModelRunner:
         if not batch.rows:
             return RunnerOutput((), None, {}, timings)
         rows = batch.rows  # decodes first (the scheduler's order)
-        input_ids, positions, attn = self._prepare(rows)
+        input_ids, positions, attn = self._prepare(rows, batch.num_decode_rows)
         hidden = self._forward(input_ids, positions, attn)  # [T, hidden]
 
         # Only the last position of a row that reaches the end of its tokens needs logits. The
@@ -119,7 +119,8 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache, attn)
 
     # -- tensors ------------------------------------------------------------------------
-    def _prepare(self, rows: tuple[ScheduledRow, ...]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, rows: tuple[ScheduledRow, ...], num_decodes: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -129,7 +130,6 @@ class ModelRunner:
             for p in range(r.start, r.end):
                 slots.append(r.block_ids[p // bs] * bs + p % bs)
             pos.extend(range(r.start, r.end))
-        num_decodes = sum(1 for r in rows if r.num_new_tokens == 1)
         decodes, prefills = rows[:num_decodes], rows[num_decodes:]
         qsl = [0]
         for r in prefills:

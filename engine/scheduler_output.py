@@ -66,10 +66,6 @@ class SchedulerOutput:
     finished_seq_ids: tuple[str, ...] = ()  # gone since the last step: the runner drops their state
 
     @property
-    def is_empty(self) -> bool:
-        return not self.rows and not self.transfers
-
-    @property
     def num_batched_tokens(self) -> int:
         return sum(r.num_new_tokens for r in self.rows)
 
