@@ -16,10 +16,6 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_TIER_POLICIES = ("auto", "always")
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
-# On CPU there is no "fraction of device memory" to take: the KV pool gets a fixed budget, vLLM's
-# CPU default (4 GiB when VLLM_CPU_KVCACHE_SPACE is unset), resident from start-up
-# (model_runner.zeroed_pool).
-DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -29,7 +25,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; overrides the memory budgets
-    kv_cache_memory: int | None = None  # bytes for the KV pool
+    kv_cache_memory: int | None = None  # bytes for the KV pool (None: engine/kv_budget.py on CPU)
     gpu_memory_utilization: float = 0.9  # fraction of device memory (CUDA only)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

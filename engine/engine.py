@@ -12,9 +12,10 @@ import torch
 
 from engine.admission import PromptInput, effective_params, tokenize_prompt
 from engine.beam_search import BeamSearch
-from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidConfigError, InvalidRequestError
+from engine.kv_budget import available_memory_bytes, default_cpu_kv_budget
 from engine.kv_tiers import build_kv_tiers, tier_stats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.config import ModelConfig, load_model_config
@@ -232,7 +233,11 @@ class Engine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1.0 - cfg.gpu_memory_utilization))
         else:
-            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+            chosen = default_cpu_kv_budget(block_bytes=per_block, block_size=cfg.block_size,
+                                           max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
+                                           available_bytes=available_memory_bytes())
+            logger.info(chosen.describe(per_block))
+            return chosen.num_blocks
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise InvalidConfigError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes.")

@@ -35,6 +35,7 @@ class ModelInfo:
     chat_template: str | None
     block_size: int
     num_kv_blocks: int
+    kv_cache_bytes: int  # the KV pool's resident size (engine/kv_budget.py sizes it by default on CPU)
     max_num_seqs: int
 
     @property
@@ -50,6 +51,7 @@ def model_info_of(engine: Engine) -> ModelInfo:
         eos_token_ids=tuple(engine.model_config.eos_token_ids),
         chat_template=getattr(engine.tokenizer, "chat_template", None) or None,
         block_size=engine.config.block_size, num_kv_blocks=engine.blocks.num_blocks,
+        kv_cache_bytes=engine.runner.kv_cache.nbytes,
         max_num_seqs=engine.config.max_num_seqs,
     )
 

@@ -8,8 +8,10 @@ Three ways in, one contract out (see _types.py):
 * `llm=LLM(...)`: the offline LLM's engine, driven like the server's: through the AsyncEngine the
   LLM hands out (`LLM.as_async_engine()`), whose loop thread this backend starts on first use and
   stops on close. Do not call `llm.generate` while the chat model is in use (one engine, one driver).
-* `model="name-or-path"`: an AsyncEngine built on first use from `EngineConfig(model=...,
-  **engine_kwargs)`; a per-call `model=` naming another model builds (and keeps) another one.
+* `model="name-or-path"`: the process's shared AsyncEngine for `EngineConfig(model=...,
+  **engine_kwargs)` (shared_engines.py), built on first use; every chat model with the same model and
+  engine settings uses the same engine and prefix cache, and the last one to close (or be garbage
+  collected) shuts it down. A per-call `model=` naming another model leases that model's engine.
 
 Prompts are rendered by the engine's tool layer (`ToolChat`): the model's chat template, tools
 described in its native format or in a system-prompt section, and a grammar constraint that makes a
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from engine import (
@@ -46,6 +50,7 @@ from integrations.langchain._types import (
     Usage,
 )
 from integrations.langchain.errors import EngineAPIError, EngineTimeoutError, from_engine_load_error
+from integrations.langchain.shared_engines import shared_engines, shutdown_engine
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 LARGE_PROMPT_CHARS = 64 * 1024  # rendering + tokenizing more than this leaves the event loop (as the server does)
@@ -99,9 +104,9 @@ class _Runner:
 
 
 class _AsyncEngineRunner(_Runner):
-    def __init__(self, engine: AsyncEngine, *, owned: bool) -> None:
+    def __init__(self, engine: AsyncEngine, *, release: Callable[[], None] | None) -> None:
         self.engine = engine
-        self.owned = owned
+        self._release = release  # what closing this runner does: None for an engine the caller owns
         self.tool_chat = engine.tool_chat
 
     async def outputs(self, prompt, params, cache_salt, deadline):
@@ -127,10 +132,9 @@ class _AsyncEngineRunner(_Runner):
         return iterate_in_thread(lambda: self.outputs(prompt, params, cache_salt, deadline))
 
     def close(self) -> None:
-        if self.owned and self.engine.is_running:
-            done = threading.Thread(target=lambda: asyncio.run(self.engine.shutdown()), daemon=True)
-            done.start()
-            done.join()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 # -- the backend -----------------------------------------------------------------------------------
@@ -216,6 +220,10 @@ class InProcessBackend:
         self._runners: dict[str, _Runner] = {}
         self._default: _Runner | None = None
         self._lock = threading.Lock()
+        # Every runner built here, closed by close() or, for a chat model dropped without close(), when
+        # this backend is collected: its lease on a shared engine must not outlive it.
+        self._built: list[_Runner] = []
+        weakref.finalize(self, _close_runners, self._built)
 
     def default_model_name(self) -> str:
         if self._model:
@@ -237,13 +245,14 @@ class InProcessBackend:
 
     def _build_default(self) -> _Runner:
         if self._engine is not None:
-            runner: _Runner = _AsyncEngineRunner(self._engine, owned=False)
+            runner: _Runner = _AsyncEngineRunner(self._engine, release=None)
         elif self._llm is not None:
             # The offline LLM is driven as the server drives its engine: an AsyncEngine over the LLM's
             # engine, whose loop this backend starts and stops (the engine itself stays the LLM's).
             engine = self._llm.as_async_engine()
             engine.start()
-            runner = _AsyncEngineRunner(engine, owned=True)
+            runner = _AsyncEngineRunner(engine, release=functools.partial(shutdown_engine, engine))
+            self._built.append(runner)
         else:
             return self._build(self.default_model_name())
         # The engine's own model (name or folder) addresses it too.
@@ -253,15 +262,18 @@ class InProcessBackend:
         return runner
 
     def _build(self, model: str) -> _Runner:
+        """A runner on the process's shared engine for this model and these engine settings
+        (shared_engines.py): chat models that differ only in call options share one engine."""
         try:
-            engine = AsyncEngine.from_config(EngineConfig(**{**self._engine_kwargs, "model": model}))
+            lease = shared_engines().acquire(EngineConfig(**{**self._engine_kwargs, "model": model}))
         except Exception as exc:
             mapped = from_engine_load_error(exc)
             if mapped is exc:
                 raise
             raise mapped from exc
-        engine.start()
-        return _AsyncEngineRunner(engine, owned=True)
+        runner = _AsyncEngineRunner(lease.engine, release=lease.release)
+        self._built.append(runner)
+        return runner
 
     def _call(self, messages: list[dict], options: CallOptions) -> _Call:
         model, runner = self._runner(options.model)
@@ -311,10 +323,13 @@ class InProcessBackend:
             await outputs.aclose()
 
     def close(self) -> None:
-        """Shut down the engines this backend built (given ones belong to their owner)."""
+        """Release the engines this backend built or leased (given ones belong to their owner)."""
         with self._lock:
-            runners = {id(r): r for r in [*self._runners.values(), self._default] if r is not None}
             self._runners.clear()
             self._default = None
-        for runner in runners.values():
-            runner.close()
+        _close_runners(self._built)
+
+
+def _close_runners(runners: list[_Runner]) -> None:
+    while runners:
+        runners.pop().close()
