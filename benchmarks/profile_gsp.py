@@ -97,24 +97,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--name", default="profile_gsp")
+    ap.add_argument("--workload", default="gsp", help="any generate job of benchmarks/_peer_jobs.py")
+    ap.add_argument("--name", default=None, help="default: profile_<workload>")
     args = ap.parse_args()
     from transformers import AutoConfig
 
     from engine.models.resolve import resolve_model
 
     path = str(resolve_model(args.model))
-    job = make_jobs(AutoConfig.from_pretrained(path).vocab_size, workloads=("gsp",))[0]
+    job = make_jobs(AutoConfig.from_pretrained(path).vocab_size, workloads=(args.workload,))[0]
+    args.name = args.name or f"profile_{args.workload}"
     results = {d: profile(path, d, job) for d in args.dtypes}
     for d, r in results.items():
         print(f"  {d}: wall {r['wall_s']:.2f} s")
         for k, v in r["seconds"].items():
             print(f"    {k:28s} {v:7.2f} s  {100 * r['share'][k]:5.1f}%")
-    write_json(args.name, {"model": args.model, "workload": "gsp", "results": results})
+    write_json(args.name, {"model": args.model, "workload": args.workload, "results": results})
     keys = list(next(iter(results.values()))["seconds"])
-    bar_plot(args.name, "GSP: where the time goes (s)", keys,
+    bar_plot(args.name, f"{args.workload}: where the time goes (s)", keys,
              {d: [r["seconds"].get(k, 0.0) for k in keys] for d, r in results.items()}, "seconds")
-    print("profile_gsp: " + "; ".join(
+    print(f"{args.name}: " + "; ".join(
         f"{d} {r['wall_s']:.1f} s: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in list(r["share"].items())[:4])
         for d, r in results.items()))
 

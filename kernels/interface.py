@@ -11,9 +11,18 @@ import torch
 DEBUG_SWITCH = "PREFIXSERVE_DEBUG_KERNELS"
 
 
+def unpacked(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
 @dataclass(frozen=True)
 class KernelOps:
-    """One backend's ops (signatures above and in docs/CONTRACTS.md); ``name`` says which."""
+    """One backend's ops (signatures above and in docs/CONTRACTS.md); ``name`` says which.
+
+    ``pack_weight(weight[N, K])`` returns a linear weight in the layout this backend's ``linear``
+    reads fastest (an opaque oneDNN tensor on CPU; the weight itself elsewhere). The model packs
+    each weight once, when it binds the set; ``linear`` takes either form.
+    """
 
     name: str
     linear: Callable[..., torch.Tensor]
@@ -24,6 +33,7 @@ class KernelOps:
     paged_attention_decode: Callable[..., torch.Tensor]
     paged_attention_prefill: Callable[..., torch.Tensor]
     copy_blocks: Callable[..., None]
+    pack_weight: Callable[[torch.Tensor], torch.Tensor] = unpacked
 
 
 def debug_kernels() -> bool:

@@ -15,6 +15,7 @@ head_dim]; each layer writes its new K/V into slots and reads all K/V through th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,11 +76,12 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
     @classmethod
-    def of(cls, layer: DecoderLayer) -> LayerWeights:
+    def of(cls, layer: DecoderLayer, pack: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
+        """The layer's tensors, linear weights in the layout the bound ops' linear reads (`pack`)."""
         a, m = layer.self_attn, layer.mlp
-        return cls(layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, a.o_proj.bias,
-                   layer.post_attention_layernorm.weight, m.gate_up_proj.weight, m.gate_up_proj.bias,
-                   m.down_proj.weight, m.down_proj.bias)
+        return cls(layer.input_layernorm.weight, pack(a.qkv_proj.weight), a.qkv_proj.bias, pack(a.o_proj.weight),
+                   a.o_proj.bias, layer.post_attention_layernorm.weight, pack(m.gate_up_proj.weight),
+                   m.gate_up_proj.bias, pack(m.down_proj.weight), m.down_proj.bias)
 
 
 class Backbone(nn.Module):
@@ -104,17 +106,20 @@ class LlamaForCausalLM(nn.Module):
         self.rope_scaling = rope_scaling
         self.ops: KernelOps | None = None  # bound once at load (bind_ops)
         self._layers: tuple[LayerWeights, ...] = ()
+        self._lm_head: torch.Tensor | None = None  # lm_head.weight as the bound ops' linear reads it
 
     def bind_ops(self, ops: KernelOps) -> None:
         """Bind the backend's ops (once, at load) and gather each layer's tensors. The model is for
         inference only: its weights stop requiring grad. Bound CPU ops read raw pointers: they need
-        every weight contiguous in one dtype, which is checked here, once."""
+        every weight contiguous in one dtype, which is checked here, once. Linear weights are packed
+        into the ops' own layout here too (ops.pack_weight; on CPU a second, blocked copy of each)."""
         self.requires_grad_(False)
         dtype = self.model.embed_tokens.weight.dtype
         if ops.name == "cpu" and any(p.dtype != dtype or not p.is_contiguous() for p in self.parameters()):
             raise ValueError("the cpu ops need every weight contiguous in the model dtype")
         self.ops = ops
-        self._layers = tuple(LayerWeights.of(layer) for layer in self.model.layers)
+        self._layers = tuple(LayerWeights.of(layer, ops.pack_weight) for layer in self.model.layers)
+        self._lm_head = ops.pack_weight(self.lm_head.weight.detach())  # a plain tensor, never a Parameter
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32 once per step and shared by all layers (HF does the same math per layer).
@@ -166,4 +171,4 @@ class LlamaForCausalLM(nn.Module):
         return torch.cat((decode, prefill))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.lm_head.weight).float()  # [N, vocab]
+        return self.ops.linear(hidden, self._lm_head).float()  # [N, vocab]

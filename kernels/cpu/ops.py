@@ -54,8 +54,15 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def checked_cpu_ops() -> KernelOps:
     """The launchers: every call checked, the references wherever a C kernel does not apply."""
-    return KernelOps("cpu", cpu_linear, add_rms_norm_cpu, silu_mul_cpu, rope_cpu, store_kv_cpu,
-                     paged_attention_decode_cpu, paged_attention_prefill_cpu, copy_blocks_torch)
+    return KernelOps("cpu", _checked_linear, add_rms_norm_cpu, silu_mul_cpu, rope_cpu, store_kv_cpu,
+                     paged_attention_decode_cpu, paged_attention_prefill_cpu, copy_blocks_torch,
+                     onednn_linear.pack_weight)
+
+
+def _checked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.is_mkldnn:  # packed at bind (onednn_linear.pack_weight)
+        return onednn_linear.checked_packed_linear(x, weight, bias)
+    return cpu_linear(x, weight, bias)
 
 
 def cpu_ops(dtype: torch.dtype, *, checked: bool = False) -> KernelOps:
@@ -81,10 +88,12 @@ class _BoundCpuOps:
 
     def ops(self) -> KernelOps:
         return KernelOps("cpu", self.linear, self.add_rms_norm, self.silu_mul, self.rope, self.store_kv,
-                         self.decode, paged_attention_prefill_cpu, copy_blocks_torch)
+                         self.decode, paged_attention_prefill_cpu, copy_blocks_torch, onednn_linear.pack_weight)
 
     # x: [M, K] rows contiguous; weight [N, K] and bias [N] contiguous, all in the bound dtype.
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.is_mkldnn:  # packed at bind: oneDNN for every row count (onednn_linear.py)
+            return onednn_linear.packed_linear(x, weight, bias)
         m = x.shape[0]
         if m not in self.linear_rows:
             return self.other_linear(x, weight, bias)
