@@ -43,7 +43,8 @@ async def health(request: Request) -> Response:
 @get("/metrics", tags=["Operations"], summary="Prometheus metrics")
 async def metrics(request: Request) -> Response:
     body, content_type = _state(request).metrics.render()
-    return Response(content=body, media_type=content_type, status_code=200)
+    # The header verbatim: given as media_type, Litestar would append a second "; charset=utf-8".
+    return Response(content=body, status_code=200, headers={"content-type": content_type})
 
 
 @get("/version", tags=["Operations"], summary="Server version")
