@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `create_app(engine) -> Litestar` and `serve(args)` (the CLI's
 `prefixserve serve`).
 
-    create_app(engine)   routes, OpenAI-shaped errors, auth, body limit, OpenAPI at /schema, metrics
+    create_app(engine)   routes, OpenAI-shaped errors, auth, body limit, metrics, API docs served offline
+                         (/docs, /redoc, /openapi.json and /schema: app/docs.py)
     serve(args)          binds the port, loads the model beside the event loop (/health is 503 until
                          it is ready), runs uvicorn; SIGTERM/SIGINT: stop accepting, drain in-flight
                          requests for --drain-timeout seconds, abort the rest, exit
@@ -21,6 +22,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 
 from app.args import engine_config_from_args
+from app.docs import DOCS_ROUTES, render_plugins
 from app.errors import handle_exception
 from app.metrics import DEFAULT_NAMESPACE, ServerMetrics
 from app.openapi import openapi_config
@@ -72,10 +74,10 @@ def create_app(
             app.state.server.engine.start()
 
     return Litestar(
-        route_handlers=[*OPENAI_ROUTES, *MISC_ROUTES],
+        route_handlers=[*OPENAI_ROUTES, *MISC_ROUTES, *DOCS_ROUTES],
         exception_handlers={Exception: handle_exception},
         request_max_body_size=max_body_bytes,
-        openapi_config=openapi_config(package_version()),
+        openapi_config=openapi_config(package_version(), render_plugins()),
         state=State({"server": state}),
         on_startup=[start_engine],
     )
