@@ -14,7 +14,9 @@ from typing import Any
 
 import msgspec
 from litestar.openapi import OpenAPIConfig
-from litestar.openapi.spec import Example, OpenAPIHeader, OpenAPIMediaType, OpenAPIResponse, Operation, RequestBody
+from litestar.openapi.spec import (
+    Components, Example, OpenAPIHeader, OpenAPIMediaType, OpenAPIResponse, Operation, RequestBody, SecurityScheme,
+)
 
 from app.protocol import ErrorResponse
 
@@ -121,6 +123,8 @@ def api_operation(request: type | None = None, response: type | None = None, *, 
         request_body = RequestBody(content=content, required=True)
     responses = {"200": _ok(response, stream, media_type, ok)}
     responses.update({str(status): _error(status) for status in sorted(errors)})
+    # Routes that can answer 401 take the --api-key as a bearer token; `{}`: none when the server has no key.
+    security = [{"bearer": []}, {}] if "401" in responses else None
     name = "".join(t.__name__ for t in (request, response) if t is not None) or "Plain"
 
     @dataclass
@@ -129,6 +133,8 @@ def api_operation(request: type | None = None, response: type | None = None, *, 
             if request_body is not None and self.request_body is None:
                 self.request_body = request_body
             self.responses = dict(responses)  # ours replace Litestar's guess from `-> Response`
+            if security is not None:
+                self.security = list(security)
 
     _ApiOperation.__name__ = f"{name}Operation"
     return _ApiOperation
@@ -142,5 +148,8 @@ def body_operation(kind: type) -> type[Operation]:
 def openapi_config(version: str, render_plugins=()) -> OpenAPIConfig:
     return OpenAPIConfig(
         title="prefixserve", version=version, path="/schema", render_plugins=list(render_plugins),
+        # Swagger UI's "Authorize" button: the --api-key, sent as `Authorization: Bearer <key>`.
+        components=Components(security_schemes={"bearer": SecurityScheme(
+            type="http", scheme="bearer", description="The server's --api-key (when it was started with one).")}),
         description="OpenAI-compatible API of prefixserve (plus vLLM's /tokenize, /detokenize, /version).",
     )

@@ -73,7 +73,9 @@ def test_spec_at_vllm_paths_documents_responses_and_errors(base_url):
     assert "Retry-After" in chat["429"]["headers"] and "Retry-After" in chat["503"]["headers"]
 
 
-def test_schemathesis_finds_no_undocumented_behaviour(base_url, small_engine):
+def run_schemathesis(base_url: str, *, post_examples: int, get_examples: int) -> None:
+    """Every operation of the served spec: generated and example cases, each checked for 5xx, hangs
+    (a timeout), undocumented statuses, undocumented content types and bodies off their schema."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
     from schemathesis import GenerationMode
@@ -86,7 +88,6 @@ def test_schemathesis_finds_no_undocumented_behaviour(base_url, small_engine):
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 9
-    started = time.monotonic()
     for operation in operations:
         post = operation.method.upper() == "POST"
         # Bodies that fit the schema (mostly invalid in meaning: 400s), the spec's own examples (200s)
@@ -95,13 +96,28 @@ def test_schemathesis_finds_no_undocumented_behaviour(base_url, small_engine):
         if post:
             strategies.append(operation.as_strategy(generation_mode=GenerationMode.NEGATIVE))
 
-        @settings(max_examples=40 if post else 5, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(max_examples=post_examples if post else get_examples, deadline=None, database=None,
+                  derandomize=True, suppress_health_check=list(HealthCheck))
         @given(case=st.one_of(*strategies))
         def check(case):
-            # A hang fails as a timeout; 5xx, undocumented statuses and off-schema bodies fail the checks.
             case.call_and_validate(base_url=base_url, checks=checks, timeout=20)
 
         check()
+
+
+def test_schemathesis_finds_no_undocumented_behaviour(base_url, small_engine):
+    started = time.monotonic()
+    run_schemathesis(base_url, post_examples=40, get_examples=5)
     wait_for_idle(small_engine, timeout=10)
     assert time.monotonic() - started < 120
+
+
+def test_schemathesis_with_an_api_key(small_engine):
+    """Without the key every API route answers 401, documented, with the OpenAI error body."""
+    app = create_app(small_engine, served_model_names=["tiny"], api_key="secret")
+    with run_uvicorn(app) as url:
+        spec = httpx.get(f"{url}/openapi.json", timeout=10).json()
+        assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+        assert {"bearer": []} in spec["paths"]["/v1/chat/completions"]["post"]["security"]
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        run_schemathesis(url, post_examples=5, get_examples=2)
