@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--served-model-name", nargs="+", default=None)
     serve.add_argument("--max-waiting-requests", type=int, default=256)
+    serve.add_argument("--metrics-namespace", default="prefixserve",
+                       help="prefix of every /metrics name; 'vllm' publishes vLLM's names (vllm:num_requests_running "
+                       "...) so dashboards and gateways built for vLLM read them unchanged")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds to let in-flight requests finish after SIGTERM before aborting them")
     add_engine_args(serve)

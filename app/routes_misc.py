@@ -7,7 +7,7 @@ from litestar import Request, Response, get, post
 
 from app.auth import require_api_key
 from app.errors import OpenAIError
-from app.openapi import body_operation
+from app.openapi import BODY_ERRORS, DETOKENIZE_EXAMPLES, TOKENIZE_EXAMPLES, api_operation
 from app.protocol import (
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, VersionResponse, decode_request, encode,
 )
@@ -31,7 +31,8 @@ def _json(payload) -> Response:
     return Response(content=encode(payload), media_type="application/json", status_code=200)
 
 
-@get("/health", tags=["Operations"], summary="Liveness / readiness")
+@get("/health", tags=["Operations"], summary="Liveness / readiness",
+     operation_class=api_operation(errors=(503,), ok="Ready (empty body)."))
 async def health(request: Request) -> Response:
     """200 (empty body) when the engine is ready; 503 while loading, draining, or after the engine died."""
     state = _state(request)
@@ -40,19 +41,24 @@ async def health(request: Request) -> Response:
     return Response(content=b"", status_code=200)
 
 
-@get("/metrics", tags=["Operations"], summary="Prometheus metrics")
+@get("/metrics", tags=["Operations"], summary="Prometheus metrics",
+     operation_class=api_operation(media_type="text/plain", ok="Prometheus text exposition format."))
 async def metrics(request: Request) -> Response:
     body, content_type = _state(request).metrics.render()
-    return Response(content=body, media_type=content_type, status_code=200)
+    # The header verbatim: given as media_type, Litestar would append a second "; charset=utf-8".
+    return Response(content=body, status_code=200, headers={"content-type": content_type})
 
 
-@get("/version", tags=["Operations"], summary="Server version")
+@get("/version", tags=["Operations"], summary="Server version",
+     operation_class=api_operation(response=VersionResponse))
 async def version() -> Response:
     return _json(VersionResponse(package_version()))
 
 
 @post("/tokenize", status_code=200, guards=[require_api_key], tags=["Tokenizer"],
-      operation_class=body_operation(TokenizeRequest), summary="Tokenize a prompt or chat messages")
+      operation_class=api_operation(TokenizeRequest, TokenizeResponse, errors=BODY_ERRORS,
+                                    examples=TOKENIZE_EXAMPLES),
+      summary="Tokenize a prompt or chat messages")
 async def tokenize(request: Request) -> Response:
     state = _state(request)
     engine = state.require_engine()
@@ -72,7 +78,9 @@ async def tokenize(request: Request) -> Response:
 
 
 @post("/detokenize", status_code=200, guards=[require_api_key], tags=["Tokenizer"],
-      operation_class=body_operation(DetokenizeRequest), summary="Detokenize token ids")
+      operation_class=api_operation(DetokenizeRequest, DetokenizeResponse, errors=BODY_ERRORS,
+                                    examples=DETOKENIZE_EXAMPLES),
+      summary="Detokenize token ids")
 async def detokenize(request: Request) -> Response:
     state = _state(request)
     engine = state.require_engine()

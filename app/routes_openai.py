@@ -13,7 +13,9 @@ from litestar.response import Stream
 
 from app.errors import OpenAIError
 from app.auth import require_api_key
-from app.openapi import body_operation
+from app.openapi import (
+    CHAT_EXAMPLES, COMPLETION_EXAMPLES, GENERATE_ERRORS, LIST_ERRORS, MODEL_ERRORS, api_operation,
+)
 from app.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatResponseMessage,
     ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage,
@@ -63,7 +65,9 @@ def _stream_flags(req) -> tuple[bool, bool]:
 
 # -- /v1/completions -----------------------------------------------------------------------
 @post("/v1/completions", status_code=200, guards=[require_api_key], tags=["OpenAI"],
-      operation_class=body_operation(CompletionRequest), summary="Create a completion")
+      operation_class=api_operation(CompletionRequest, CompletionResponse, stream=CompletionStreamResponse,
+                                    errors=GENERATE_ERRORS, examples=COMPLETION_EXAMPLES),
+      summary="Create a completion")
 async def create_completion(request: Request) -> Response:
     state = _state(request)
     engine = state.require_engine()
@@ -148,7 +152,10 @@ async def _completion_events(run: Run, request_id: str, created: int, model: str
 
 # -- /v1/chat/completions ------------------------------------------------------------------
 @post("/v1/chat/completions", status_code=200, guards=[require_api_key], tags=["OpenAI"],
-      operation_class=body_operation(ChatCompletionRequest), summary="Create a chat completion")
+      operation_class=api_operation(ChatCompletionRequest, ChatCompletionResponse,
+                                    stream=ChatCompletionStreamResponse, errors=GENERATE_ERRORS,
+                                    examples=CHAT_EXAMPLES),
+      summary="Create a chat completion")
 async def create_chat_completion(request: Request) -> Response:
     state = _state(request)
     engine = state.require_engine()
@@ -249,7 +256,8 @@ async def _chat_events(run: Run, request_id: str, created: int, model: str, n: i
 
 
 # -- /v1/models ----------------------------------------------------------------------------
-@get("/v1/models", guards=[require_api_key], tags=["OpenAI"], summary="List models")
+@get("/v1/models", guards=[require_api_key], tags=["OpenAI"], summary="List models",
+     operation_class=api_operation(response=ModelList, errors=LIST_ERRORS))
 async def list_models(request: Request) -> Response:
     state = _state(request)
     engine = state.require_engine()
@@ -258,7 +266,8 @@ async def list_models(request: Request) -> Response:
     return _json(ModelList(cards))
 
 
-@get("/v1/models/{model_id:path}", guards=[require_api_key], tags=["OpenAI"], summary="Retrieve a model")
+@get("/v1/models/{model_id:path}", guards=[require_api_key], tags=["OpenAI"], summary="Retrieve a model",
+     operation_class=api_operation(response=ModelCard, errors=MODEL_ERRORS))
 async def retrieve_model(request: Request, model_id: str) -> Response:
     state = _state(request)
     engine = state.require_engine()

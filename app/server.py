@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `create_app(engine) -> Litestar` and `serve(args)` (the CLI's
 `prefixserve serve`).
 
-    create_app(engine)   routes, OpenAI-shaped errors, auth, body limit, OpenAPI at /schema, metrics
+    create_app(engine)   routes, OpenAI-shaped errors, auth, body limit, metrics, API docs served offline
+                         (/docs, /redoc, /openapi.json and /schema: app/docs.py)
     serve(args)          binds the port, loads the model beside the event loop (/health is 503 until
                          it is ready), runs uvicorn; SIGTERM/SIGINT: stop accepting, drain in-flight
                          requests for --drain-timeout seconds, abort the rest, exit
@@ -21,8 +22,9 @@ from litestar import Litestar
 from litestar.datastructures import State
 
 from app.args import engine_config_from_args
+from app.docs import DOCS_ROUTES, render_plugins
 from app.errors import handle_exception
-from app.metrics import ServerMetrics
+from app.metrics import DEFAULT_NAMESPACE, ServerMetrics
 from app.openapi import openapi_config
 from app.routes_misc import MISC_ROUTES, package_version
 from app.routes_openai import OPENAI_ROUTES
@@ -43,10 +45,12 @@ def create_app(
     api_key: str | None = None,
     max_waiting_requests: int = 256,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics_namespace: str = DEFAULT_NAMESPACE,
 ) -> Litestar:
     """The Litestar app serving `engine`. `engine=None` starts it in the loading state (/health 503,
     API 503 + Retry-After) until `app.state.server.attach(engine)`; then served_model_names is required.
-    The app starts the engine's loop on startup; it never shuts the engine down (its owner does)."""
+    The app starts the engine's loop on startup; it never shuts the engine down (its owner does).
+    metrics_namespace prefixes every /metrics name (`vllm` publishes vLLM's own names)."""
     if served_model_names:
         names = tuple(served_model_names)
     elif engine is not None:
@@ -62,7 +66,7 @@ def create_app(
         current = holder["state"].engine
         return current.stats() if current is not None else None
 
-    state = ServerState(engine, names, api_key or None, max_waiting_requests, ServerMetrics(stats, names[0]))
+    state = ServerState(engine, names, api_key or None, max_waiting_requests, ServerMetrics(stats, names[0], metrics_namespace))
     holder["state"] = state
 
     def start_engine(app: Litestar) -> None:
@@ -70,10 +74,10 @@ def create_app(
             app.state.server.engine.start()
 
     return Litestar(
-        route_handlers=[*OPENAI_ROUTES, *MISC_ROUTES],
+        route_handlers=[*OPENAI_ROUTES, *MISC_ROUTES, *DOCS_ROUTES],
         exception_handlers={Exception: handle_exception},
         request_max_body_size=max_body_bytes,
-        openapi_config=openapi_config(package_version()),
+        openapi_config=openapi_config(package_version(), render_plugins()),
         state=State({"server": state}),
         on_startup=[start_engine],
     )
@@ -141,7 +145,8 @@ async def _serve_async(args: argparse.Namespace, config: EngineConfig) -> int:
 
     names = tuple(args.served_model_name or [config.model])
     app = create_app(None, served_model_names=names, api_key=args.api_key,
-                     max_waiting_requests=args.max_waiting_requests)
+                     max_waiting_requests=args.max_waiting_requests,
+                     metrics_namespace=getattr(args, "metrics_namespace", None) or DEFAULT_NAMESPACE)
     state: ServerState = app.state.server
     drain_timeout = getattr(args, "drain_timeout", None)
     uv_config = uvicorn.Config(

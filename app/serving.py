@@ -117,7 +117,7 @@ class Run:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 run.streams.append(await engine.submit(prompt, params, rid, priority=priority, cache_salt=cache_salt))
-                run.trackers.append(metrics.tracker())
+                run.trackers.append(metrics.tracker(params.n, params.max_tokens))
         except BaseException:
             await run.close()
             raise

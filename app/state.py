@@ -34,6 +34,7 @@ class ServerState:
         """The engine finished loading (serve() builds it after the port is open)."""
         self.engine = engine
         self.tool_chat = engine.tool_chat
+        self.metrics.bind_model(engine.model_info.max_model_len)
 
     @property
     def ready(self) -> bool:

@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ class _Add:
     priority: int
     cache_salt: str | None
     sink: "_Sink"
+    # Stamped when the caller submits, so queue time and e2e latency include the wait in the inbox.
+    arrival_time: float
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,7 @@ class AsyncEngine(FrontendSurface):
             raise InvalidRequestError(f"request id {request_id!r} is already in use.", param="request_id")
         sink = _Sink(asyncio.get_running_loop())
         self._sinks[request_id] = sink
-        self._send(_Add(request_id, prompt, params or SamplingParams(), priority, cache_salt, sink))
+        self._send(_Add(request_id, prompt, params or SamplingParams(), priority, cache_salt, sink, time.monotonic()))
         finished = False
         try:
             while True:
@@ -230,7 +233,7 @@ class AsyncEngine(FrontendSurface):
                 try:
                     self.engine.add_request(
                         message.request_id, message.prompt, message.params,
-                        priority=message.priority, cache_salt=message.cache_salt,
+                        priority=message.priority, cache_salt=message.cache_salt, arrival_time=message.arrival_time,
                     )
                 except Exception as exc:  # bad request: only this request fails
                     message.sink.put(exc)

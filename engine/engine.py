@@ -146,6 +146,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.outputs.scheduled(scheduler_output)
         runner_output = self._execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output)
         return self.outputs.process(scheduler_output, runner_output)
@@ -206,6 +207,7 @@ class Engine:
             "prompt_tokens": self.outputs.counters.prompt_tokens,
             "generation_tokens": self.outputs.counters.generation_tokens,
             "request_success": dict(self.outputs.counters.requests_finished),
+            "iteration_tokens": self.outputs.counters.iteration_tokens.snapshot(),
             **tier_stats(self.tiers),
         }
 

@@ -18,6 +18,7 @@ from engine.sampler import SampleResult
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
+from engine.step_histogram import StepHistogram
 from engine.structured_output import StructuredOutputManager
 
 
@@ -47,7 +48,8 @@ class RequestState:
 class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    requests_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+    requests_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count ("abort" too)
+    iteration_tokens: StepHistogram = field(default_factory=StepHistogram)  # tokens scheduled per step
 
 
 class OutputProcessor:
@@ -67,6 +69,19 @@ class OutputProcessor:
         self.counters = EngineCounters()
         self._beam_ids = itertools.count(1)
 
+    def scheduled(self, batch: SchedulerOutput) -> None:
+        """A step was scheduled (before it runs): a request's queue time ends at its first scheduling,
+        not when its first token comes back (that is TTFT), so stamp it here."""
+        if not batch.rows:
+            return
+        now = time.monotonic()
+        self.counters.iteration_tokens.observe(batch.num_batched_tokens)
+        seqs = self.scheduler.seqs
+        for row in batch.rows:
+            state = self.requests.get(seqs[row.seq_id].request_id)
+            if state is not None and state.first_scheduled_time is None:
+                state.first_scheduled_time = now
+
     def process(self, batch: SchedulerOutput, result: RunnerOutput | None) -> list[RequestOutput]:
         if result is None or not batch.rows:
             return []
@@ -74,8 +89,6 @@ class OutputProcessor:
         seqs = self.scheduler.seqs
         for row in batch.rows:
             seq = seqs[row.seq_id]
-            state = self.requests[seq.request_id]
-            state.first_scheduled_time = state.first_scheduled_time or now
             if row.seq_id in result.prompt_logprobs:
                 self._append_prompt_logprobs(seq, result.prompt_logprobs[row.seq_id])
         touched: dict[str, RequestState] = {}
@@ -108,6 +121,7 @@ class OutputProcessor:
         state = self.requests.pop(request_id, None)
         if state is None:
             return False
+        self._count_finished("abort")
         for seq in state.live_seqs():
             seq.finish_reason = "abort"
             self.finish(seq)
@@ -203,8 +217,7 @@ class OutputProcessor:
         first = state.seqs[0]
         if finished:
             self.requests.pop(state.request_id, None)
-            reason = (outputs[0].finish_reason if outputs else None) or "stop"
-            self.counters.requests_finished[reason] = self.counters.requests_finished.get(reason, 0) + 1
+            self._count_finished((outputs[0].finish_reason if outputs else None) or "stop")
         metrics = {"arrival_time": state.arrival_time}
         for name in ("first_scheduled_time", "first_token_time", "last_token_time"):
             if getattr(state, name) is not None:
@@ -215,6 +228,10 @@ class OutputProcessor:
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             metrics=metrics,
         )
+
+    def _count_finished(self, reason: str) -> None:
+        finished = self.counters.requests_finished
+        finished[reason] = finished.get(reason, 0) + 1
 
     def _beam_outputs(self, state: RequestState) -> list[CompletionOutput]:
         outputs = []
