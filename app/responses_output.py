@@ -61,8 +61,8 @@ def initial_response(req: ResponsesRequest, response_id: str, model: str, stored
         id=response_id, created_at=int(time.time()), model=model, status="in_progress", output=[],
         instructions=req.instructions, max_output_tokens=req.max_output_tokens, metadata=req.metadata or {},
         parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
-        store=stored, temperature=req.temperature, text=text, tool_choice=req.tool_choice or "auto",
-        tools=list(req.tools or []), top_p=req.top_p, user=req.user,
+        store=stored, temperature=1.0 if req.temperature is None else req.temperature, text=text, tool_choice=req.tool_choice or "auto",
+        tools=list(req.tools or []), top_p=1.0 if req.top_p is None else req.top_p, user=req.user,
         reasoning={"effort": (req.reasoning or {}).get("effort"), "summary": None},
     )
 

@@ -3,7 +3,7 @@ openai client's `responses.create` / `responses.stream` / `responses.retrieve`: 
 instructions, max_output_tokens -> incomplete, text.format (json_schema, json_object), function tools
 with every tool_choice and a function_call_output round trip, previous_response_id and the store,
 streaming events and their order, cached-token usage, and the 400s / 404s. Tiny random model: shapes,
-not answers (the real model's answers are in test_server_responses_real.py)."""
+not answers (the real model: tests/integrations/test_responses_real_model.py)."""
 from __future__ import annotations
 
 import json
