@@ -72,8 +72,7 @@ class StreamedOutput:
         events.append(self._added(item))
         where = {"item_id": item.id, "output_index": self._index(item)}
         events.append(self.event("response.function_call_arguments.delta", **where, delta=call.arguments))
-        events.append(self.event("response.function_call_arguments.done", **where, name=call.name,
-                                 arguments=call.arguments))
+        events.append(self.event("response.function_call_arguments.done", **where, arguments=call.arguments))
         item.arguments, item.status = call.arguments, "completed"
         events.append(self.event("response.output_item.done", output_index=where["output_index"], item=item))
         return events

@@ -283,3 +283,25 @@ def test_reasoning_effort_is_ignored_and_openai_client_sees_bad_request(oai):
     assert out.status in ("completed", "incomplete")
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(model="tiny", input="Hi", tools=[{"type": "file_search", "vector_store_ids": ["x"]}])
+
+
+# -- the store and its flag, directly ----------------------------------------------------------
+def test_response_store_bounds_and_flag():
+    from app.cli import build_parser
+    from app.responses_protocol import ResponseObject
+    from app.responses_store import ResponseStore
+
+    with pytest.raises(ValueError):
+        ResponseStore(-1)
+    none = ResponseStore(0)
+    none.put(ResponseObject(id="resp_a", created_at=0, model="m", status="completed", output=[]), [])
+    assert len(none) == 0 and none.get("resp_a") is None
+    store = ResponseStore(2)
+    for name in "abc":
+        store.put(ResponseObject(id=f"resp_{name}", created_at=0, model="m", status="completed", output=[]),
+                  [{"role": "user", "content": name}])
+        store.get("resp_a")  # recently used: kept over b
+    assert store.get("resp_b") is None and store.get("resp_a").messages == ({"role": "user", "content": "a"},)
+    args = build_parser().parse_args(["serve", "--max-stored-responses", "8"])
+    assert args.max_stored_responses == 8
+    assert build_parser().parse_args(["serve"]).max_stored_responses == 1024
