@@ -21,7 +21,8 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """At most `capacity` responses, least recently used evicted first; 0 keeps none."""
+    """At most `capacity` responses, least recently used evicted first; 0 keeps none. Used from the
+    server's event loop only, so it takes no lock."""
 
     def __init__(self, capacity: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
         if capacity < 0:

@@ -1,7 +1,7 @@
 """/v1/responses end to end on the real SmolLM2-135M-Instruct behind a real uvicorn (the session's shared
 LangChain server): the openai client (answers, previous_response_id, a forced call and its result,
-streaming) and LangChain's own `ChatOpenAI(use_responses_api=True)`: invoke, stream, cache hits, and
-bind_tools with a tool-call round trip."""
+streaming), LangChain's own `ChatOpenAI(use_responses_api=True)`: invoke, stream, cache hits, and
+bind_tools with a tool-call round trip, and the OpenAI Agents SDK running a tool and streaming an answer."""
 from __future__ import annotations
 
 import json
@@ -131,3 +131,43 @@ def test_langchain_bind_tools_round_trip(chat):
                        max_retries=0).bind_tools([get_weather], tool_choice="none").invoke(messages)
     assert answer.usage_metadata["input_tokens"] == plain.usage_metadata["input_tokens"]
     assert answer.text == plain.text
+
+
+# -- the OpenAI Agents SDK (its OpenAIResponsesModel streams every turn) ---------------------------
+def test_agents_sdk_runs_a_tool_and_answers(oai, lc_server_url):
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return f"It is 18 degrees and sunny in {city}."
+
+    def model() -> OpenAIResponsesModel:
+        return OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(base_url=lc_server_url,
+                                                                                  api_key="unused", max_retries=0))
+
+    # A 135M model keeps calling tools under "auto": stop at the first tool result, which is then the answer.
+    weather = Agent(name="weather", instructions="Answer weather questions with the tool.", model=model(),
+                    model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice="required",
+                                                 parallel_tool_calls=False),
+                    tools=[get_weather], tool_use_behavior="stop_on_first_tool")
+    result = asyncio.run(Runner.run(weather, "What is the weather in Paris?", max_turns=2))
+    assert calls and "Paris" in calls[0] and result.final_output == f"It is 18 degrees and sunny in {calls[0]}."
+
+    geography = Agent(name="geography", instructions=GEOGRAPHY, model=model(),
+                      model_settings=ModelSettings(temperature=0, max_tokens=24))
+
+    async def streamed() -> tuple[list[str], str]:
+        run = Runner.run_streamed(geography, "What is the capital of France?", max_turns=1)
+        kinds = [event.data.type async for event in run.stream_events() if event.type == "raw_response_event"]
+        return kinds, run.final_output
+
+    kinds, answer = asyncio.run(streamed())
+    assert "Paris" in answer and kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
