@@ -255,6 +255,18 @@ def test_stream_function_call_events(oai):
     assert events[2].item.type == "function_call" and events[2].item.call_id == call.call_id
 
 
+def test_dropped_stream_aborts_and_is_not_stored(base_url, idle_engine):
+    body = {"model": "tiny", "input": "Tell me everything " * 10, "max_output_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/v1/responses", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        response_id = json.loads(first[6:])["response"]["id"]
+    # Leaving the block closed the connection: the run is aborted (idle_engine checks every block is
+    # free afterwards) and the unfinished response was never stored.
+    assert httpx.get(f"{base_url}/v1/responses/{response_id}").status_code == 404
+
+
 # -- errors ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("fields, param", [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
