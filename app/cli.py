@@ -7,6 +7,7 @@ import logging
 import sys
 
 from app.args import add_engine_args, engine_config_from_args
+from app.responses_store import DEFAULT_MAX_STORED_RESPONSES
 from engine.config import DEFAULT_MODEL
 
 
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-namespace", default="prefixserve",
                        help="prefix of every /metrics name; 'vllm' publishes vLLM's names (vllm:num_requests_running "
                        "...) so dashboards and gateways built for vLLM read them unchanged")
+    serve.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                       help="/v1/responses results kept in this process's memory for previous_response_id and "
+                            "GET /v1/responses/{id} (LRU; 0 stores none)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds to let in-flight requests finish after SIGTERM before aborting them")
     add_engine_args(serve)

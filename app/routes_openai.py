@@ -5,11 +5,9 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 from litestar import Request, Response, get, post
-from litestar.background_tasks import BackgroundTask
-from litestar.response import Stream
 
 from app.errors import OpenAIError
 from app.auth import require_api_key
@@ -19,14 +17,14 @@ from app.openapi import (
 from app.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatResponseMessage,
     ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage,
-    DeltaToolCall, FunctionCall, ModelCard, ModelList, ToolCallInfo, Usage, decode_request, encode,
+    DeltaToolCall, FunctionCall, ModelCard, ModelList, ToolCallInfo, Usage, decode_request,
 )
 from app.serving import (
-    ChoiceCursor, Run, chat_conversation, chat_logprobs, completion_logprobs, completion_prompts, finish_reason,
-    guarded_stream, sampling_params, sse, usage,
+    ChoiceCursor, Run, chat_conversation, chat_logprobs, check_aborted, completion_logprobs, completion_prompts,
+    finish_reason, guarded_stream, json_response, sampling_params, sse, sse_response, usage,
 )
 from app.state import ServerState
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.tool_calls import PreparedChat, ToolCall
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -35,25 +33,6 @@ LARGE_PROMPT_CHARS = 64 * 1024
 
 def _state(request: Request) -> ServerState:
     return request.app.state.server
-
-
-def _json(payload) -> Response:
-    return Response(content=encode(payload), media_type="application/json", status_code=200)
-
-
-def _sse_response(body: AsyncGenerator[bytes, None], run: Run) -> Stream:
-    async def cleanup() -> None:  # runs after the response, also after a disconnect
-        await body.aclose()
-        await run.close()
-
-    return Stream(body, media_type="text/event-stream", status_code=200,
-                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                  background=BackgroundTask(cleanup))
-
-
-def _check_aborted(output: CompletionOutput) -> None:
-    if output.finish_reason == "abort":
-        raise OpenAIError(503, "The request was aborted by the server.", headers={"Retry-After": "1"})
 
 
 def _stream_flags(req) -> tuple[bool, bool]:
@@ -96,7 +75,7 @@ async def create_completion(request: Request) -> Response:
         include_usage, continuous = _stream_flags(req)
         events = _completion_events(run, request_id, created, model, params.n, req.logprobs, bool(req.echo),
                                     include_usage, continuous, decode, prompt_text)
-        return _sse_response(guarded_stream(events, run), run)
+        return sse_response(guarded_stream(events, run), run)
     try:
         finals = await run.final_outputs(request)
     finally:
@@ -105,13 +84,13 @@ async def create_completion(request: Request) -> Response:
     for i, out in enumerate(finals):
         echo = prompt_text(out) if req.echo else ""
         for c in out.outputs:
-            _check_aborted(c)
+            check_aborted(c)
             lp = None
             if req.logprobs is not None:
                 lp = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, decode, 0)
             choices.append(CompletionChoice(i * params.n + c.index, echo + c.text, lp, finish_reason(c),
                                             c.stop_reason))
-    return _json(CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+    return json_response(CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                     usage=usage(finals)))
 
 
@@ -125,7 +104,7 @@ async def _completion_events(run: Run, request_id: str, created: int, model: str
             cursor = cursors.setdefault((i, c.index), ChoiceCursor())
             if cursor.done:
                 continue
-            _check_aborted(c)
+            check_aborted(c)
             first = cursor.num_tokens == 0 and cursor.text_len == 0
             text, start, end = cursor.advance(c)
             if echo and first:
@@ -191,7 +170,7 @@ async def create_chat_completion(request: Request) -> Response:
         include_usage, continuous = _stream_flags(req)
         events = _chat_events(run, request_id, created, model, params.n, k, include_usage, continuous, decode,
                               prepared)
-        return _sse_response(guarded_stream(events, run), run)
+        return sse_response(guarded_stream(events, run), run)
     try:
         finals = await run.final_outputs(request)
     finally:
@@ -199,13 +178,13 @@ async def create_chat_completion(request: Request) -> Response:
     out = finals[0]
     choices = []
     for c in out.outputs:
-        _check_aborted(c)
+        check_aborted(c)
         lp = chat_logprobs(c.token_ids, c.logprobs or [], k, decode) if k is not None else None
         message = prepared.parse(c.text)
         calls = [ToolCallInfo(t.id, FunctionCall(t.name, t.arguments)) for t in message.tool_calls] or None
         choices.append(ChatChoice(c.index, ChatResponseMessage("assistant", message.content, calls), lp,
                                   message.finish_reason(finish_reason(c)), c.stop_reason))
-    return _json(ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+    return json_response(ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                         usage=usage(finals)))
 
 
@@ -229,7 +208,7 @@ async def _chat_events(run: Run, request_id: str, created: int, model: str, n: i
             cursor = cursors[c.index]
             if cursor.done:
                 continue
-            _check_aborted(c)
+            check_aborted(c)
             text, start, end = cursor.advance(c)
             lp = None
             if k is not None and end > start and c.logprobs is not None:
@@ -263,7 +242,7 @@ async def list_models(request: Request) -> Response:
     engine = state.require_engine()
     info = engine.model_info
     cards = [ModelCard(name, state.created, info.model, info.max_model_len) for name in state.model_names]
-    return _json(ModelList(cards))
+    return json_response(ModelList(cards))
 
 
 @get("/v1/models/{model_id:path}", guards=[require_api_key], tags=["OpenAI"], summary="Retrieve a model",
@@ -273,7 +252,7 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
     engine = state.require_engine()
     name = state.model_name(model_id.lstrip("/"))
     info = engine.model_info
-    return _json(ModelCard(name, state.created, info.model, info.max_model_len))
+    return json_response(ModelCard(name, state.created, info.model, info.max_model_len))
 
 
 OPENAI_ROUTES = [create_completion, create_chat_completion, list_models, retrieve_model]

@@ -28,6 +28,8 @@ from app.metrics import DEFAULT_NAMESPACE, ServerMetrics
 from app.openapi import openapi_config
 from app.routes_misc import MISC_ROUTES, package_version
 from app.routes_openai import OPENAI_ROUTES
+from app.routes_responses import RESPONSES_ROUTES
+from app.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from app.state import ServerState
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -46,11 +48,13 @@ def create_app(
     max_waiting_requests: int = 256,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_namespace: str = DEFAULT_NAMESPACE,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
 ) -> Litestar:
     """The Litestar app serving `engine`. `engine=None` starts it in the loading state (/health 503,
     API 503 + Retry-After) until `app.state.server.attach(engine)`; then served_model_names is required.
     The app starts the engine's loop on startup; it never shuts the engine down (its owner does).
-    metrics_namespace prefixes every /metrics name (`vllm` publishes vLLM's own names)."""
+    metrics_namespace prefixes every /metrics name (`vllm` publishes vLLM's own names).
+    `max_stored_responses` bounds the in-memory store of /v1/responses results (0: store none)."""
     if served_model_names:
         names = tuple(served_model_names)
     elif engine is not None:
@@ -66,7 +70,8 @@ def create_app(
         current = holder["state"].engine
         return current.stats() if current is not None else None
 
-    state = ServerState(engine, names, api_key or None, max_waiting_requests, ServerMetrics(stats, names[0], metrics_namespace))
+    state = ServerState(engine, names, api_key or None, max_waiting_requests,
+                        ServerMetrics(stats, names[0], metrics_namespace), responses=ResponseStore(max_stored_responses))
     holder["state"] = state
 
     def start_engine(app: Litestar) -> None:
@@ -74,7 +79,7 @@ def create_app(
             app.state.server.engine.start()
 
     return Litestar(
-        route_handlers=[*OPENAI_ROUTES, *MISC_ROUTES, *DOCS_ROUTES],
+        route_handlers=[*OPENAI_ROUTES, *RESPONSES_ROUTES, *MISC_ROUTES, *DOCS_ROUTES],
         exception_handlers={Exception: handle_exception},
         request_max_body_size=max_body_bytes,
         openapi_config=openapi_config(package_version(), render_plugins()),
@@ -146,7 +151,8 @@ async def _serve_async(args: argparse.Namespace, config: EngineConfig) -> int:
     names = tuple(args.served_model_name or [config.model])
     app = create_app(None, served_model_names=names, api_key=args.api_key,
                      max_waiting_requests=args.max_waiting_requests,
-                     metrics_namespace=getattr(args, "metrics_namespace", None) or DEFAULT_NAMESPACE)
+                     metrics_namespace=getattr(args, "metrics_namespace", None) or DEFAULT_NAMESPACE,
+                     max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES))
     state: ServerState = app.state.server
     drain_timeout = getattr(args, "drain_timeout", None)
     uv_config = uvicorn.Config(

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from litestar import Request
+from litestar import Request, Response
+from litestar.background_tasks import BackgroundTask
+from litestar.response import Stream
 
 from app.errors import OpenAIError, sse_error
 from app.metrics import RequestTracker, ServerMetrics
@@ -251,16 +253,38 @@ def sse(payload: Any) -> bytes:
     return b"data: " + encode(payload) + b"\n\n"
 
 
-async def guarded_stream(events: AsyncIterator[bytes], run: Run) -> AsyncGenerator[bytes, None]:
-    """The SSE body: events, `[DONE]`, or one error event; the run is aborted however it ends."""
+async def guarded_stream(events: AsyncIterator[bytes], run: Run, *, done: bytes | None = DONE,
+                         error: Callable[[BaseException], bytes] = sse_error) -> AsyncGenerator[bytes, None]:
+    """The SSE body: events, `done` (`[DONE]`; None: nothing), or one `error(exc)` event; the run is
+    aborted however it ends."""
     try:
         async for event in events:
             yield event
-        yield DONE
+        if done is not None:
+            yield done
     except Exception as exc:
-        yield sse_error(exc)
+        yield error(exc)
     finally:
         await run.close()
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def sse_response(body: AsyncGenerator[bytes, None], run: Run) -> Stream:
+    async def cleanup() -> None:  # runs after the response, also after a disconnect
+        await body.aclose()
+        await run.close()
+
+    return Stream(body, media_type="text/event-stream", status_code=200,
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                  background=BackgroundTask(cleanup))
+
+
+def json_response(payload: Any) -> Response:
+    return Response(content=encode(payload), media_type="application/json", status_code=200)
+
+
+def check_aborted(output: CompletionOutput) -> None:
+    if output.finish_reason == "abort":
+        raise OpenAIError(503, "The request was aborted by the server.", headers={"Retry-After": "1"})

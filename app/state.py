@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from app.errors import OpenAIError
 from app.metrics import ServerMetrics
+from app.responses_store import ResponseStore
 from engine.async_engine import AsyncEngine
 from engine.tool_calls import ToolChat
 
@@ -22,6 +23,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     load_error: str | None = None
+    # Stored /v1/responses results (previous_response_id, GET /v1/responses/{id}); per process.
+    responses: ResponseStore = field(default_factory=ResponseStore)
     # The engine's chat template with tool calling: built once (it probes the template), not per request.
     tool_chat: ToolChat | None = field(init=False, default=None)
 
