@@ -141,7 +141,27 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    """One entry of vLLM's `prompt_logprobs` (keyed by token id as a string)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM: when the request sets prompt_logprobs
+
+
+class CompletionStreamChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -163,7 +183,7 @@ class CompletionStreamResponse(msgspec.Struct, kw_only=True, omit_defaults=True)
     object: str  # no default: omit_defaults would drop it
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: Usage | None = None
 
 
@@ -226,6 +246,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM: when the request sets prompt_logprobs
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):

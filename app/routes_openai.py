@@ -16,14 +16,17 @@ from app.openapi import (
 )
 from app.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatResponseMessage,
-    ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage,
-    DeltaToolCall, FunctionCall, ModelCard, ModelList, ToolCallInfo, Usage, decode_request,
+    ChatStreamChoice, CompletionRequest, CompletionResponse, CompletionStreamChoice, CompletionStreamResponse,
+    DeltaMessage, DeltaToolCall, FunctionCall, ModelCard, ModelList, ToolCallInfo, Usage, decode_request,
 )
+from app.completion_choices import CompletionChoices, prompt_logprob_structs
 from app.serving import (
-    ChoiceCursor, Run, chat_conversation, chat_logprobs, check_aborted, completion_logprobs, completion_prompts,
-    finish_reason, guarded_stream, json_response, sampling_params, sse, sse_response, usage,
+    ChoiceCursor, Run, chat_conversation, chat_logprobs, check_aborted, completion_prompts,
+    completion_sampling_params, finish_reason, guarded_stream, json_response, sampling_params, sse, sse_response,
+    usage,
 )
 from app.state import ServerState
+from engine import openai_compat
 from engine.outputs import RequestOutput
 from engine.tool_calls import PreparedChat, ToolCall
 
@@ -54,72 +57,57 @@ async def create_completion(request: Request) -> Response:
     model = state.model_name(req.model)
     if req.suffix:
         raise OpenAIError(400, "suffix is not supported.", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise OpenAIError(400, "echo together with logprobs is not supported.", param="echo")
     prompts = completion_prompts(req.prompt)
-    params = sampling_params(
-        req, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
-        logprobs=req.logprobs, vocab_size=engine.model_info.vocab_size,
-    )
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = completion_sampling_params(req, max_tokens=max_tokens, vocab_size=engine.model_info.vocab_size)
     request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     state.admit(engine, len(prompts))
     run = await Run.start(engine, state.metrics, prompts, params, request_id, priority=req.priority or 0,
                           cache_salt=req.cache_salt)
     created = int(time.time())
-    decode = engine.decode_token
 
     def prompt_text(out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else engine.detokenize(out.prompt_token_ids)
 
+    shapes = CompletionChoices(echo=bool(req.echo), generate=max_tokens > 0, logprobs=req.logprobs,
+                               prompt_logprobs=req.prompt_logprobs, decode=engine.decode_token,
+                               prompt_text=prompt_text)
     if req.stream:
         include_usage, continuous = _stream_flags(req)
-        events = _completion_events(run, request_id, created, model, params.n, req.logprobs, bool(req.echo),
-                                    include_usage, continuous, decode, prompt_text)
+        events = _completion_events(run, request_id, created, model, params.n, shapes, include_usage, continuous)
         return sse_response(guarded_stream(events, run), run)
     try:
-        finals = await run.final_outputs(request)
+        finals = [shapes.visible(out) for out in await run.final_outputs(request)]
     finally:
         await run.close()
     choices = []
     for i, out in enumerate(finals):
-        echo = prompt_text(out) if req.echo else ""
         for c in out.outputs:
             check_aborted(c)
-            lp = None
-            if req.logprobs is not None:
-                lp = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, decode, 0)
-            choices.append(CompletionChoice(i * params.n + c.index, echo + c.text, lp, finish_reason(c),
-                                            c.stop_reason))
+            choices.append(shapes.choice(i * params.n + c.index, out, c))
     return json_response(CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                     usage=usage(finals)))
 
 
-async def _completion_events(run: Run, request_id: str, created: int, model: str, n: int, k: int | None, echo: bool,
-                             include_usage: bool, continuous: bool, decode, prompt_text) -> AsyncIterator[bytes]:
+async def _completion_events(run: Run, request_id: str, created: int, model: str, n: int, shapes: CompletionChoices,
+                             include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
     cursors: dict[tuple[int, int], ChoiceCursor] = {}
     latest: dict[int, RequestOutput] = {}
     async for i, out in run.outputs():
-        latest[i] = out
+        out = latest[i] = shapes.visible(out)
         for c in out.outputs:
             cursor = cursors.setdefault((i, c.index), ChoiceCursor())
             if cursor.done:
                 continue
             check_aborted(c)
-            first = cursor.num_tokens == 0 and cursor.text_len == 0
-            text, start, end = cursor.advance(c)
-            if echo and first:
-                text = prompt_text(out) + text
-            lp = None
-            if k is not None and end > start and c.logprobs is not None:
-                lp = completion_logprobs(c.token_ids[start:end], c.logprobs[start:end], k, decode, cursor.text_offset)
-                cursor.text_offset += sum(len(t) for t in lp.tokens)
+            text, lp = shapes.delta(out, c, cursor)
             reason = finish_reason(c)
             if not text and reason is None and lp is None:
                 continue
             cursor.done = reason is not None
             yield sse(CompletionStreamResponse(
                 id=request_id, object="text_completion", created=created, model=model,
-                choices=[CompletionChoice(i * n + c.index, text, lp, reason, c.stop_reason if reason else None)],
+                choices=[CompletionStreamChoice(i * n + c.index, text, lp, reason, c.stop_reason if reason else None)],
                 usage=usage(list(latest.values())) if continuous else None,
             ))
     if len(cursors) < len(run.streams) * n or not all(c.done for c in cursors.values()):
@@ -184,8 +172,12 @@ async def create_chat_completion(request: Request) -> Response:
         calls = [ToolCallInfo(t.id, FunctionCall(t.name, t.arguments)) for t in message.tool_calls] or None
         choices.append(ChatChoice(c.index, ChatResponseMessage("assistant", message.content, calls), lp,
                                   message.finish_reason(finish_reason(c)), c.stop_reason))
+    prompt_lp = None
+    if req.prompt_logprobs is not None:
+        prompt_lp = prompt_logprob_structs(
+            openai_compat.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, req.prompt_logprobs))
     return json_response(ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                        usage=usage(finals)))
+                                        usage=usage(finals), prompt_logprobs=prompt_lp))
 
 
 def _chat_chunk(request_id: str, created: int, model: str, choices: list[ChatStreamChoice],

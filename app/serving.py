@@ -35,6 +35,12 @@ def sampling_params(req: Any, *, max_tokens: int | None, logprobs: int | None, v
                                          vocab_size=vocab_size)
 
 
+def completion_sampling_params(req: Any, *, max_tokens: int, vocab_size: int) -> SamplingParams:
+    """/v1/completions' SamplingParams: echo with logprobs scores the prompt, max_tokens may be 0."""
+    return openai_compat.completion_sampling_params(msgspec.structs.asdict(req), max_tokens=max_tokens,
+                                                    vocab_size=vocab_size)
+
+
 # -- prompts -------------------------------------------------------------------------------
 def completion_prompts(prompt: Any) -> list[str | dict]:
     """`prompt` as a list of engine prompts: a string, a list of strings, a token list or a list of them."""

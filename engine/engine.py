@@ -122,7 +122,8 @@ class Engine:
                 token_ids=list(token_ids), num_prompt_tokens=len(token_ids), arrival_order=order,
                 priority=priority, cache_salt=cache_salt,
                 logprobs=[] if params.logprobs is not None else None,
-                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                # Only the root computes (and so scores) the prompt; forks start after it.
+                prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
             ))
         if grammar is not None:  # every sample parses on its own, forks included
             self.structured.add([s.seq_id for s in state.seqs], grammar)

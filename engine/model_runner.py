@@ -181,7 +181,8 @@ class ModelRunner:
             spec = r.prompt_logprobs
             if spec is None:
                 continue
-            first_row = int(ends[i]) - r.num_new_tokens + 1
+            # The row's hidden state at position p scores token p + 1.
+            first_row = int(ends[i]) - r.num_new_tokens + 1 + (spec.first_position - 1 - r.start)
             rows_h = hidden[first_row:first_row + len(spec.targets)]
             logprobs = torch.log_softmax(self.model.compute_logits(rows_h).cpu(), dim=-1)  # [n, V]
             targets = torch.tensor(spec.targets)

@@ -8,15 +8,20 @@ InvalidRequestError naming the field (the server turns that into a 400).
     chat_logprobs(...)                  outputs -> `choices[].logprobs.content` (chat)
     completion_logprobs(...)            outputs -> the legacy completions logprobs object
     finish_reason(output)               the engine's reason as OpenAI reports it
+    completion_sampling_params(...)     /v1/completions: sampling_params plus echo and max_tokens 0
+    echoed_tokens(output, choice)       the prompt's tokens and logprobs ahead of a choice's (echo)
+    without_generation(output)          max_tokens 0: the output as if nothing had been generated
+    prompt_logprobs(...)                vLLM's `prompt_logprobs` response field
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.outputs import CompletionOutput, Logprob
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_output import check_structured_outputs, close_json_schema
 
@@ -27,13 +32,15 @@ _FINITE = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penal
 _STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
+MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) report for -inf: JSON has no infinity
 
 
 # -- requests -------------------------------------------------------------------------------------
 def sampling_params(fields: Mapping[str, Any], *, max_tokens: int | None, logprobs: int | None,
-                    vocab_size: int | None) -> SamplingParams:
+                    vocab_size: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The SamplingParams of a completion or chat request's fields (OpenAI names and vLLM's
-    extensions; absent or None fields take OpenAI's defaults)."""
+    extensions; absent or None fields take OpenAI's defaults). `prompt_logprobs`, when given,
+    replaces the field's value (completions with echo need more than the field asks)."""
     get = fields.get
     n = 1 if get("n") is None else get("n")
     if n > MAX_N:
@@ -61,7 +68,7 @@ def sampling_params(fields: Mapping[str, Any], *, max_tokens: int | None, logpro
         max_tokens=max_tokens,
         min_tokens=get("min_tokens") or 0,
         logprobs=logprobs,
-        prompt_logprobs=get("prompt_logprobs"),
+        prompt_logprobs=get("prompt_logprobs") if prompt_logprobs is None else prompt_logprobs,
         ignore_eos=bool(get("ignore_eos")),
         include_stop_str_in_output=bool(get("include_stop_str_in_output")),
         skip_special_tokens=True if get("skip_special_tokens") is None else get("skip_special_tokens"),
@@ -177,18 +184,83 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]
     return content
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int,
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None], k: int,
                         decode: Callable[[int], str], offset: int) -> dict[str, list]:
-    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
+    A None entry (an echoed prompt's first token, which nothing scores) gives null logprobs."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
-        chosen = entry.get(tid) or Logprob(float("nan"))
-        text = _token_text(decode, tid, chosen)
+        if entry is None:
+            text = decode(tid)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            chosen = entry.get(tid) or Logprob(float("nan"))
+            text = _token_text(decode, tid, chosen)
+            token_logprobs.append(_finite(chosen.logprob))
+            top = {_token_text(decode, t, lp): _finite(lp.logprob) for t, lp in _sorted_top(entry, k)}
+            top.setdefault(text, _finite(chosen.logprob))  # OpenAI: the sampled token is always listed
+            top_logprobs.append(top)
         tokens.append(text)
-        token_logprobs.append(chosen.logprob)
-        top = {_token_text(decode, t, lp): lp.logprob for t, lp in _sorted_top(entry, k)}
-        top.setdefault(text, chosen.logprob)  # OpenAI: the sampled token is always listed
-        top_logprobs.append(top)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+# -- echo, max_tokens 0, prompt logprobs ----------------------------------------------------------
+def completion_sampling_params(fields: Mapping[str, Any], *, max_tokens: int, vocab_size: int | None
+                               ) -> SamplingParams:
+    """/v1/completions' SamplingParams. `echo` with `logprobs` scores the prompt too (its top
+    `logprobs`, or more when `prompt_logprobs` asks for more). `max_tokens` 0 (OpenAI: echo only)
+    samples one token that `without_generation` then hides, as vLLM does: the prompt's logits are
+    computed either way."""
+    if max_tokens < 0:
+        raise InvalidRequestError(f"max_tokens must be at least 0, got {max_tokens}.", param="max_tokens")
+    logprobs, scored = fields.get("logprobs"), fields.get("prompt_logprobs")
+    if fields.get("echo") and logprobs is not None and isinstance(logprobs, int):
+        scored = logprobs if scored is None or not isinstance(scored, int) else max(scored, logprobs)
+    return sampling_params(fields, max_tokens=max(max_tokens, 1), logprobs=logprobs, vocab_size=vocab_size,
+                           prompt_logprobs=scored)
+
+
+def without_generation(output: RequestOutput) -> RequestOutput:
+    """The output of a max_tokens 0 request: no text, no tokens, finish_reason "length" (an abort
+    stays an abort)."""
+    outputs = [CompletionOutput(c.index, "", [], 0.0 if c.cumulative_logprob is not None else None,
+                                [] if c.logprobs is not None else None,
+                                c.finish_reason if c.finish_reason in (None, "abort") else "length")
+               for c in output.outputs]
+    return replace(output, outputs=outputs)
+
+
+def echoed_tokens(output: RequestOutput, choice: CompletionOutput, start: int = 0, end: int | None = None
+                  ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    """(token ids, logprob entries) of an echoed choice: the prompt's, then the choice's tokens
+    [start, end). Without prompt logprobs the prompt's entries are None."""
+    prompt = list(output.prompt_token_ids)
+    scored = output.prompt_logprobs if output.prompt_logprobs is not None else [None] * len(prompt)
+    generated = choice.logprobs or []
+    return prompt + choice.token_ids[start:end], list(scored) + list(generated[start:end])
+
+
+def prompt_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None] | None, k: int
+                    ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} with the top k and the prompt token itself."""
+    if entries is None:
+        return None
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            result.append(None)
+            continue
+        kept = dict(_sorted_top(entry, k))
+        if tid in entry:
+            kept.setdefault(tid, entry[tid])
+        result.append({str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                       for t, lp in kept.items()})
+    return result

@@ -207,12 +207,25 @@ class Scheduler:
 
     @staticmethod
     def _prompt_logprobs_spec(seq: Sequence, start: int, end: int) -> PromptLogprobsSpec | None:
-        k = seq.params.prompt_logprobs
-        # Logits at position p score prompt token p+1, so positions up to num_prompt-2 count.
-        last = min(end, seq.num_prompt_tokens - 1)
-        if k is None or start >= last:
+        if seq.prompt_logprobs is None:
             return None
-        return PromptLogprobsSpec(k, start + 1, tuple(seq.token_ids[start + 1:last + 1]))
+        # Logits at position p score prompt token p+1, so positions up to num_prompt-2 count. Tokens
+        # scored before a preemption are not scored again (a recomputed chunk may cover them).
+        first = max(start + 1, len(seq.prompt_logprobs))
+        last = min(end, seq.num_prompt_tokens - 1)
+        if first > last:
+            return None
+        return PromptLogprobsSpec(seq.params.prompt_logprobs, first, tuple(seq.token_ids[first:last + 1]))
+
+    @staticmethod
+    def _reusable_prefix(seq: Sequence) -> int | None:
+        """How many leading tokens a cache hit may cover: None = any. A token's prompt logprob needs the
+        logits of the position before it, which a cache hit would skip computing, so a sequence still
+        scoring its prompt reuses only the tokens before the first position whose logits it needs."""
+        scored = seq.prompt_logprobs
+        if scored is None or len(scored) >= seq.num_prompt_tokens:
+            return None
+        return len(scored) - 1  # scored[0] is the first token's None: position 0 is always needed then
 
     def _grow_or_preempt(
         self, seq: Sequence, num_new: int, scheduled: set[str], preempted: list[Sequence]
@@ -265,15 +278,17 @@ class Scheduler:
         first_admission = seq.num_preemptions == 0
         if self.tiers.swapped_tokens(seq.seq_id) is not None:
             return self._swap_in(seq, budget)
-        if seq.params.prompt_logprobs is not None and first_admission:
-            # Prompt logprobs need the logits of every prompt position: no prefix reuse.
-            hit = PrefixHit.empty(self.blocks.block_size)
+        reusable = self._reusable_prefix(seq)
+        if reusable is not None:
+            # Still scoring its prompt: reuse only what needs no logits (+1: match_prefix never
+            # covers the last token it is given). Its blocks are still committed for later requests.
+            hit = self.blocks.match_prefix(seq.token_ids[:reusable + 1], cache_salt=seq.cache_salt)
         else:
             hit = self.blocks.match_prefix(seq.token_ids, cache_salt=seq.cache_salt)
             if self.inflight.should_defer(seq, hit):
                 return _DEFERRED
         alloc, cached = None, hit.num_cached_tokens
-        if self.tiers.enabled and (seq.params.prompt_logprobs is None or not first_admission):
+        if self.tiers.enabled and reusable is None:
             alloc, cached = self._admit_with_tier_hits(seq, hit, budget)
         if alloc is None:
             cached = hit.num_cached_tokens
