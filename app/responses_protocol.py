@@ -60,21 +60,20 @@ class OutputText(msgspec.Struct, kw_only=True):
     logprobs: list[Any] = msgspec.field(default_factory=list)
 
 
-class OutputMessage(msgspec.Struct, kw_only=True):
+# Tagged by "type" (msgspec writes it), so the union below has a schema.
+class OutputMessage(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):
     id: str
     content: list[OutputText]
     status: str  # in_progress | completed | incomplete
     role: str = "assistant"
-    type: str = "message"
 
 
-class FunctionCallItem(msgspec.Struct, kw_only=True):
+class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="function_call"):
     id: str
     call_id: str
     name: str
     arguments: str  # JSON text
     status: str
-    type: str = "function_call"
 
 
 OutputItem = OutputMessage | FunctionCallItem
@@ -131,3 +130,17 @@ class DeletedResponse(msgspec.Struct):
     id: str
     object: str = "response.deleted"
     deleted: bool = True
+
+
+class ResponseStreamEvent(msgspec.Struct, kw_only=True):
+    """One server-sent event of a streamed response, as documented in the OpenAPI spec: every event
+    has a `type` (response.created, response.output_text.delta, ...) and a `sequence_number`; the
+    other fields depend on the type (app/responses_stream.py writes them)."""
+
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None
+    item_id: str | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+    delta: str | None = None

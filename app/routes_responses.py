@@ -17,7 +17,7 @@ from litestar import Request, Response, delete, get, post
 
 from app.auth import require_api_key
 from app.errors import OpenAIError
-from app.openapi import body_operation
+from app.openapi import GENERATE_ERRORS, MODEL_ERRORS, api_operation
 from app.protocol import decode_request
 from app.responses_input import (
     chat_tool_choice, chat_tools, check_supported, in_responses_terms, input_messages, sampling_fields,
@@ -26,7 +26,7 @@ from app.responses_input import (
 from app.responses_output import (
     finished_response, initial_response, items_as_messages, new_id, output_items, response_usage, status_of,
 )
-from app.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
+from app.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest, ResponseStreamEvent
 from app.responses_store import ResponseStore
 from app.responses_stream import EventWriter, response_events
 from app.serving import Run, check_aborted, finish_reason, guarded_stream, json_response, sse_response
@@ -56,7 +56,8 @@ def _history(store: ResponseStore, previous_id: str | None) -> tuple[dict[str, A
 
 
 @post("/v1/responses", status_code=200, guards=[require_api_key], tags=["OpenAI"],
-      operation_class=body_operation(ResponsesRequest), summary="Create a model response")
+      operation_class=api_operation(ResponsesRequest, ResponseObject, stream=ResponseStreamEvent,
+                                    errors=GENERATE_ERRORS), summary="Create a model response")
 async def create_response(request: Request) -> Response:
     state = _state(request)
     engine = state.require_engine()
@@ -105,6 +106,7 @@ async def create_response(request: Request) -> Response:
 
 
 @get("/v1/responses/{response_id:str}", guards=[require_api_key], tags=["OpenAI"],
+     operation_class=api_operation(response=ResponseObject, errors=MODEL_ERRORS),
      summary="Retrieve a stored model response")
 async def retrieve_response(request: Request, response_id: str) -> Response:
     entry = _state(request).responses.get(response_id)
@@ -114,6 +116,7 @@ async def retrieve_response(request: Request, response_id: str) -> Response:
 
 
 @delete("/v1/responses/{response_id:str}", status_code=200, guards=[require_api_key], tags=["OpenAI"],
+        operation_class=api_operation(response=DeletedResponse, errors=MODEL_ERRORS),
         summary="Delete a stored model response")
 async def delete_response(request: Request, response_id: str) -> Response:
     if not _state(request).responses.delete(response_id):
