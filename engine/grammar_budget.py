@@ -31,9 +31,10 @@ import numpy as np
 
 CLOSING_MARGIN = 8
 MAX_CLOSING_TOKENS = 128
-# Tried in order when the grammar forces nothing; the first one it allows is taken.
-_CLOSERS_IN_TEXT = ('"', "}", "]")
-_CLOSERS = ("}", "]", '"', "0", "false", "null", "[", "{", ",", ":")
+# Tried in order when the grammar forces nothing; the first one it allows is taken. Tokens that close
+# more than one thing come first (a tokenizer without them as single tokens skips them).
+_CLOSERS_IN_TEXT = ('"}', '"]', '",', '":', '"', "}", "]")
+_CLOSERS = ("}", "]", '""', '":', '",', '"', "0", "false", "null", "[]", "[", "{}", '{"', "{", ',"', ",", ":")
 _TEXT_PROBE = "Q"  # allowed inside strings and free text, never between JSON tokens
 
 
