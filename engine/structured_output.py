@@ -10,6 +10,10 @@ state over token ids). Every step:
              finishes its sequence with finish_reason "stop"
 
 EOS is allowed only when the grammar is complete (llguidance's mask only has EOS bits then).
+Outputs end cleanly: JSON schemas get bounded numbers before they compile (engine/json_schemas.py),
+each sequence keeps a token reserve that narrows its mask to a closing path when max_tokens is
+about to run out (engine/grammar_budget.py), and a request may end on a repeated block
+(engine/repeated_blocks.py; parallel tool calls).
 Model vocab rows beyond the tokenizer's vocabulary never get a bit (the LLTokenizer is sized to the
 larger of the two, and ids without bytes are never allowed).
 

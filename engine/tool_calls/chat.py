@@ -12,7 +12,9 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tool_calls.grammar import tool_call_grammar
 from engine.tool_calls.parsing import ParsedMessage, ToolCallStreamParser, parse_tool_calls
 from engine.tool_calls.rendering import _function_of, apply_chat_template, message_text, render_call_block, tools_system_prompt
-from engine.tool_calls.request import CALL_CLOSE, CALL_OPEN, PROBE_NAME, RESULT_CLOSE, RESULT_OPEN, FunctionTool, ToolRequest, parse_tool_request
+from engine.tool_calls.request import (
+    CALL_CLOSE, CALL_OPEN, PROBE_NAME, RESULT_CLOSE, RESULT_OPEN, FunctionTool, ToolRequest, parse_tool_request,
+)
 
 @dataclass(frozen=True)
 class PreparedChat:
