@@ -160,3 +160,12 @@ def test_real_model_repeated_call_ends_with_one_call(real_llm, max_tokens):
     assert call.name == "get_weather" and json.loads(call.arguments)["city"] == "Paris"
     if max_tokens == 200:
         assert c.finish_reason == "stop" and len(c.token_ids) < 100, c.text
+
+
+def test_repeated_block_markers_are_validated():
+    from engine import InvalidRequestError
+
+    for markers in (("<b>",), ("<b>", ""), ["<b>", "</b>"]):
+        with pytest.raises(InvalidRequestError) as info:
+            StructuredOutputsParams(grammar='start: "a"', stop_on_repeated_block=markers)
+        assert info.value.param == "structured_outputs"
