@@ -212,8 +212,7 @@ async def _chat_events(run: Run, request_id: str, created: int, model: str, n: i
             for call in (p for p in pieces if isinstance(p, ToolCall)):
                 calls.append(DeltaToolCall(num_calls[c.index], call.id, FunctionCall(call.name, call.arguments)))
                 num_calls[c.index] += 1
-            if reason == "stop" and num_calls[c.index]:
-                reason = "tool_calls"
+            reason = parsers[c.index].finish_reason(reason)
             if not content and not calls and reason is None and lp is None:
                 continue
             cursor.done = reason is not None

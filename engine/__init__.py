@@ -17,7 +17,7 @@ from engine.errors import (
 from engine.llm import LLM, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.structured_output import close_json_schema
+from engine.json_schemas import close_json_schema
 from engine.tool_calls import ToolChat
 
 __all__ = [

@@ -126,7 +126,8 @@ class Engine:
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
             ))
         if grammar is not None:  # every sample parses on its own, forks included
-            self.structured.add([s.seq_id for s in state.seqs], grammar)
+            self.structured.add([s.seq_id for s in state.seqs], grammar, max_tokens=params.max_tokens,
+                                stop_on_repeated_block=params.structured_outputs.stop_on_repeated_block)
         root = state.seqs[0]
         root.pending_forks = state.seqs[1:]
         root.group_size = params.n

@@ -23,7 +23,8 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.structured_output import check_structured_outputs, close_json_schema
+from engine.json_schemas import close_json_schema
+from engine.structured_output import check_structured_outputs
 
 MAX_N = 128
 INT64 = (-(2**63), 2**63 - 1)

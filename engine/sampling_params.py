@@ -20,6 +20,10 @@ class StructuredOutputsParams:
     `regex` a regular expression the whole output matches, `choice` one of the given strings,
     `grammar` a lark grammar in llguidance's syntax. The engine compiles the constraint once
     per request (engine/structured_output.py) and masks every sampled token with it.
+
+    `stop_on_repeated_block` (an engine extension, not a constraint): (open, close) markers; the
+    sequence finishes as soon as it repeats a complete open...close block it already wrote
+    (engine/repeated_blocks.py). The tool-call layer sets it for parallel calls.
     """
 
     json: dict | str | None = field(default=None, hash=False)
@@ -27,10 +31,16 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = field(default=None, hash=False)
     grammar: str | None = None
+    stop_on_repeated_block: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg, param="structured_outputs")
+
+        markers = self.stop_on_repeated_block
+        if markers is not None and (not isinstance(markers, tuple) or len(markers) != 2
+                                    or not all(isinstance(m, str) and m for m in markers)):
+            bad("stop_on_repeated_block must be a pair of non-empty strings (open, close).")
 
         kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         if self.json_object is True:

@@ -10,6 +10,10 @@ state over token ids). Every step:
              finishes its sequence with finish_reason "stop"
 
 EOS is allowed only when the grammar is complete (llguidance's mask only has EOS bits then).
+Outputs end cleanly: JSON schemas get bounded numbers before they compile (engine/json_schemas.py),
+each sequence keeps a token reserve that narrows its mask to a closing path when max_tokens is
+about to run out (engine/grammar_budget.py), and a request may end on a repeated block
+(engine/repeated_blocks.py; parallel tool calls).
 Model vocab rows beyond the tokenizer's vocabulary never get a bit (the LLTokenizer is sized to the
 larger of the two, and ids without bytes are never allowed).
 
@@ -28,7 +32,7 @@ import json
 import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -37,6 +41,9 @@ import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.grammar_budget import Closers, TokenReserve
+from engine.json_schemas import ANY_JSON_OBJECT, bound_json_numbers
+from engine.repeated_blocks import RepeatedBlocks
 from engine.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("prefixserve")
@@ -61,10 +68,10 @@ def grammar_text(spec: StructuredOutputsParams, *, param: str = "structured_outp
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON Schema must be a JSON object")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=dict(JSON_COMPILE_DEFAULTS))
+            return llguidance.LLMatcher.grammar_from_json_schema(bound_json_numbers(schema),
+                                                                 defaults=dict(JSON_COMPILE_DEFAULTS))
         if spec.json_object:
-            any_object = {"type": "object"}
-            return llguidance.LLMatcher.grammar_from_json_schema(any_object, defaults=dict(JSON_COMPILE_DEFAULTS))
+            return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=dict(JSON_COMPILE_DEFAULTS))
         if spec.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         if spec.choice is not None:
@@ -132,6 +139,18 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
         logits.index_add_(0, mask.rows, penalty, alpha=-1)
 
 
+def _bit(b: int) -> int:
+    """Bit b of an int32 word, as the signed value torch stores."""
+    return (1 << b) - (1 << 32 if b == 31 else 0)
+
+
+@dataclass
+class _SeqGrammar:
+    matcher: Any  # llguidance.LLMatcher
+    reserve: TokenReserve
+    repeats: RepeatedBlocks | None
+
+
 class StructuredOutputManager:
     """Compiled grammars (LRU), per-sequence matchers and batched masks. Engine thread only.
 
@@ -155,7 +174,8 @@ class StructuredOutputManager:
         self._ll_tokenizer = None
         self._executor = None
         self._grammars: OrderedDict[str, object] = OrderedDict()  # grammar text -> pristine LLMatcher
-        self._matchers: dict[str, object] = {}  # seq_id -> LLMatcher
+        self._seqs: dict[str, _SeqGrammar] = {}  # seq_id -> its matcher, reserve and repeat check
+        self._closer_ids: Closers | None = None
         self.num_compiled = 0  # cache misses, for tests and stats
 
     # -- requests -------------------------------------------------------------------------
@@ -179,48 +199,68 @@ class StructuredOutputManager:
             self._grammars.popitem(last=False)
         return template
 
-    def add(self, seq_ids: Iterable[str], template) -> None:
+    def add(self, seq_ids: Iterable[str], template, *, max_tokens: int | None = None,
+            stop_on_repeated_block: tuple[str, str] | None = None) -> None:
+        """Give each sequence its own matcher, a token reserve of `max_tokens` (engine/grammar_budget.py)
+        and, with markers, a repeated-block check (engine/repeated_blocks.py)."""
         for seq_id in seq_ids:
-            assert seq_id not in self._matchers, f"{seq_id} already holds a matcher"
-            self._matchers[seq_id] = template.deep_copy()
+            assert seq_id not in self._seqs, f"{seq_id} already holds a matcher"
+            repeats = RepeatedBlocks(stop_on_repeated_block) if stop_on_repeated_block else None
+            self._seqs[seq_id] = _SeqGrammar(template.deep_copy(), TokenReserve(max_tokens), repeats)
 
     def release(self, seq_id: str) -> None:
-        self._matchers.pop(seq_id, None)
+        self._seqs.pop(seq_id, None)
 
     @property
     def num_active(self) -> int:
-        return len(self._matchers)
+        return len(self._seqs)
 
     def accept(self, seq_id: str, token: int) -> bool:
         """Advance `seq_id`'s matcher by its sampled token. True when the sequence must finish now:
-        the grammar is complete and can accept nothing else (or it broke, which the mask prevents)."""
-        matcher = self._matchers.get(seq_id)
-        if matcher is None:
+        the grammar is complete and can accept nothing else, the token completed a repeated block, or
+        (never under the mask) the grammar broke."""
+        state = self._seqs.get(seq_id)
+        if state is None:
             return False
+        matcher = state.matcher
         if not matcher.consume_token(token):
             # Only reachable if a token outside the mask was chosen; finish rather than emit garbage.
             logger.warning("structured output of %s rejected token %d: %s", seq_id, token, matcher.get_error())
+            return True
+        state.reserve.consumed(token, matcher.is_accepting())
+        if state.repeats is not None and state.repeats.repeated(self._tokenizer().decode_bytes([token]),
+                                                                matcher.is_accepting()):
             return True
         return matcher.is_stopped()
 
     # -- the mask -------------------------------------------------------------------------
     def grammar_mask(self, seq_ids: Sequence[str | None]) -> GrammarMask | None:
-        """Masks for the rows whose sequence holds a matcher (None entries and others: unconstrained)."""
-        rows = [i for i, seq_id in enumerate(seq_ids) if seq_id is not None and seq_id in self._matchers]
+        """Masks for the rows whose sequence holds a matcher (None entries and others: unconstrained).
+        A row whose token reserve is closing gets exactly its next closing token."""
+        rows = [i for i, seq_id in enumerate(seq_ids) if seq_id is not None and seq_id in self._seqs]
         if not rows:
             return None
         words = (self._tokenizer().vocab_size + 31) // 32
         bitmask = torch.empty(len(rows), words, dtype=torch.int32)  # [k, W]
-        matchers = [(self._matchers[seq_ids[row]], k) for k, row in enumerate(rows)]
+        matchers = []
+        for k, row in enumerate(rows):
+            state = self._seqs[seq_ids[row]]
+            forced = state.reserve.forced_token(state.matcher, self._closers())
+            if forced is None:
+                matchers.append((state.matcher, k))
+            else:
+                bitmask[k] = 0
+                bitmask[k, forced // 32] = _bit(forced % 32)
         if len(matchers) == 1:
-            matchers[0][0].unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
-        else:  # several rows: computed in parallel by llguidance's thread pool (the GIL is released)
+            matcher, k = matchers[0]
+            matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), words * 4)
+        elif matchers:  # several rows: computed in parallel by llguidance's thread pool (the GIL is released)
             self._parallel().unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
         return GrammarMask(torch.tensor(rows, dtype=torch.long), bitmask)
 
     # -- checks ---------------------------------------------------------------------------
     def check_integrity(self, live_seq_ids: set[str]) -> None:
-        stale = set(self._matchers) - live_seq_ids
+        stale = set(self._seqs) - live_seq_ids
         assert not stale, f"finished sequences still hold matchers: {sorted(stale)}"
         assert len(self._grammars) <= self.cache_size
 
@@ -238,36 +278,15 @@ class StructuredOutputManager:
                                           param="structured_outputs") from None
         return self._ll_tokenizer
 
+    def _closers(self) -> Closers:
+        if self._closer_ids is None:
+            eos = self._eos_token_ids[0] if self._eos_token_ids else self._hf_tokenizer.eos_token_id
+            self._closer_ids = Closers(self._tokenizer(), eos)
+        return self._closer_ids
+
     def _parallel(self):
         if self._executor is None:
             import llguidance
 
             self._executor = llguidance.LLExecutor()
         return self._executor
-
-
-_OBJECT_SUBSCHEMAS = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
-                      "unevaluatedProperties", "unevaluatedItems", "propertyNames")
-_LIST_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_MAP_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def close_json_schema(schema: Any) -> Any:
-    """`schema` with every object that lists properties but says nothing of additionalProperties (nor
-    patternProperties) closed, at any depth. Under a grammar an open object lets a small model append
-    invented keys until max_tokens cuts the JSON off; OpenAI's strict mode requires closed objects."""
-    if not isinstance(schema, Mapping):
-        return schema
-    out = dict(schema)
-    for key in _OBJECT_SUBSCHEMAS:
-        if isinstance(out.get(key), Mapping):
-            out[key] = close_json_schema(out[key])
-    for key in _LIST_SUBSCHEMAS:
-        if isinstance(out.get(key), list):
-            out[key] = [close_json_schema(s) for s in out[key]]
-    for key in _MAP_SUBSCHEMAS:
-        if isinstance(out.get(key), Mapping):
-            out[key] = {name: close_json_schema(s) for name, s in out[key].items()}
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out

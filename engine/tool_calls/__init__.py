@@ -33,8 +33,20 @@ The constraint is an llguidance lark grammar (StructuredOutputsParams(grammar=..
 Arguments are JSON with ", " / ": " separators and no free whitespace, and an object schema that lists
 `properties` without saying anything of `additionalProperties` is closed (as OpenAI's strict mode
 does): the grammar leaves a model no room to ramble, and whatever it writes validates against the
-original schema. A call cut off by max_tokens cannot be valid: it stays in `content` as text and the
-finish reason stays "length".
+original schema; unbounded numbers are bounded (engine/json_schemas.py).
+
+How an output ends (the policy OpenAI clients handle best: LangChain and the openai SDK run the calls
+of a "tool_calls" message and never see half a call):
+- With parallel calls, a call identical (name and arguments, byte for byte) to one already written
+  ends the output (engine/repeated_blocks.py) and is not reported twice: small models under
+  "required" otherwise repeat the same call until max_tokens.
+- The token reserve (engine/grammar_budget.py) closes an unfinished call before max_tokens runs out
+  (its strings ended early, missing required arguments given their shortest values), and ends the
+  output after a call when another as long would not fit.
+- A block max_tokens still cuts off (a budget below one call) is dropped, never shown as `content`.
+  Complete calls are reported with finish_reason "tool_calls" whether the engine stopped or ran out
+  of tokens; with none complete, content is what text there was (empty for a forced call) and the
+  finish reason stays "length".
 """
 from engine.tool_calls.chat import PreparedChat, ToolChat
 from engine.tool_calls.grammar import tool_call_grammar

@@ -12,7 +12,9 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tool_calls.grammar import tool_call_grammar
 from engine.tool_calls.parsing import ParsedMessage, ToolCallStreamParser, parse_tool_calls
 from engine.tool_calls.rendering import _function_of, apply_chat_template, message_text, render_call_block, tools_system_prompt
-from engine.tool_calls.request import CALL_OPEN, PROBE_NAME, RESULT_CLOSE, RESULT_OPEN, FunctionTool, ToolRequest, parse_tool_request
+from engine.tool_calls.request import (
+    CALL_CLOSE, CALL_OPEN, PROBE_NAME, RESULT_CLOSE, RESULT_OPEN, FunctionTool, ToolRequest, parse_tool_request,
+)
 
 @dataclass(frozen=True)
 class PreparedChat:
@@ -135,5 +137,8 @@ class ToolChat:
         ids = self.render(messages, request, add_generation_prompt=add_generation_prompt,
                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
         grammar = tool_call_grammar(request) if request is not None else None
-        constraint = StructuredOutputsParams(grammar=grammar) if grammar is not None else None
+        # Parallel calls: a call repeated exactly ends the output (engine/repeated_blocks.py).
+        markers = (CALL_OPEN, CALL_CLOSE) if request is not None and request.parallel else None
+        constraint = (StructuredOutputsParams(grammar=grammar, stop_on_repeated_block=markers)
+                      if grammar is not None else None)
         return PreparedChat(ids, request, constraint)

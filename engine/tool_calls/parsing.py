@@ -28,10 +28,8 @@ class ParsedMessage:
     tool_calls: tuple[ToolCall, ...] = ()
 
     def finish_reason(self, engine_finish_reason: str | None) -> str | None:
-        """OpenAI's finish reason: "tool_calls" when the model stopped after calling tools."""
-        if self.tool_calls and engine_finish_reason == "stop":
-            return "tool_calls"
-        return engine_finish_reason
+        """OpenAI's finish reason (see `tool_finish_reason`)."""
+        return tool_finish_reason(len(self.tool_calls), engine_finish_reason)
 
     def to_openai(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -39,14 +37,25 @@ class ParsedMessage:
             message["tool_calls"] = [c.to_openai() for c in self.tool_calls]
         return message
 
+def tool_finish_reason(num_calls: int, engine_finish_reason: str | None) -> str | None:
+    """OpenAI's finish reason of a message with `num_calls` complete tool calls: "tool_calls" when there
+    is one, also when max_tokens ended the output after it (a call it cut off is dropped, the complete
+    ones stand; clients run calls on "tool_calls"); else the engine's own reason."""
+    if num_calls and engine_finish_reason in ("stop", "length"):
+        return "tool_calls"
+    return engine_finish_reason
+
+
 class ToolCallStreamParser:
     """Splits generated text, as it streams, into content pieces (str) and complete ToolCalls.
 
     `feed(delta)` returns what is certain so far; text that might still become "<tool_call>" is held
     back. A block that does not parse as a call of a known tool (never the case under a grammar) is
-    content. Whitespace next to a call block is dropped; other text comes through verbatim, and
-    without callable tools ("none", or no request) everything does. `finish()` flushes the rest (an
-    unfinished block is content).
+    content. A call identical (name and arguments) to one already reported is dropped: small models
+    repeat themselves, and the engine ends such an output at the repeat. Whitespace next to a call
+    block is dropped; other text comes through verbatim, and without callable tools ("none", or no
+    request) everything does. `finish()` flushes the rest; a block that max_tokens (or a stop string)
+    cut off before its closing tag is dropped, never shown as content.
     """
 
     def __init__(self, request: ToolRequest | None) -> None:
@@ -57,6 +66,8 @@ class ToolCallStreamParser:
         self._scan = 0  # inside a block: where to look for the next closing tag
         self._pending_ws = ""  # trailing whitespace of the text so far: dropped if a call follows
         self._after_call = False
+        self._seen: set[tuple[str, str]] = set()  # (name, arguments) of the calls reported
+        self.num_calls = 0
 
     def feed(self, delta: str) -> list[str | ToolCall]:
         if not self._active:
@@ -87,7 +98,10 @@ class ToolCallStreamParser:
                     continue
                 self._take(end + len(CALL_CLOSE))
                 self._in_call, self._scan = False, 0
-                events.append(call)
+                if (call.name, call.arguments) not in self._seen:
+                    self._seen.add((call.name, call.arguments))
+                    self.num_calls += 1
+                    events.append(call)
                 self._after_call = True
 
     def finish(self) -> list[str | ToolCall]:
@@ -95,11 +109,18 @@ class ToolCallStreamParser:
             return []
         events = self.feed("")
         rest = self._take(len(self._buffer))
-        self._text((CALL_OPEN if self._in_call else "") + rest, events)
+        if not self._in_call:
+            self._text(rest, events)
+        elif CALL_CLOSE in rest:  # closed but not a call (never under a grammar): the model's text
+            self._text(CALL_OPEN + rest, events)
         self._in_call, self._scan = False, 0
         pending, self._pending_ws = self._pending_ws, ""
         self._append(pending, events)
         return events
+
+    def finish_reason(self, engine_finish_reason: str | None) -> str | None:
+        """OpenAI's finish reason for what was fed so far (see `tool_finish_reason`)."""
+        return tool_finish_reason(self.num_calls, engine_finish_reason)
 
     def _take(self, n: int) -> str:
         taken, self._buffer = self._buffer[:n], self._buffer[n:]

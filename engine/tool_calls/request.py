@@ -11,7 +11,7 @@ from typing import Any
 import llguidance
 
 from engine.errors import InvalidRequestError
-from engine.structured_output import close_json_schema
+from engine.json_schemas import bound_json_numbers, close_json_schema
 
 TOOL_CHOICES = ("none", "auto", "required")
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -146,8 +146,9 @@ def _parse_tool(tool: Any, i: int) -> FunctionTool:
 
 
 def argument_schema(parameters: Mapping[str, Any]) -> dict[str, Any]:
-    """A tool's parameters schema as the grammar enforces it: closed objects, json.dumps spacing."""
-    schema = close_json_schema(parameters)
+    """A tool's parameters schema as the grammar enforces it: closed objects, bounded numbers
+    (engine/json_schemas.py), json.dumps spacing."""
+    schema = bound_json_numbers(close_json_schema(parameters))
     schema.setdefault("x-guidance", JSON_STYLE)
     return schema
 

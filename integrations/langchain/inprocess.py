@@ -202,10 +202,7 @@ class _Call:
         if pieces or calls or logprobs:
             yield Delta(pieces, tuple(calls), logprobs)
         if out.finished:
-            reason = c.finish_reason
-            if self._num_calls and reason == "stop":
-                reason = "tool_calls"
-            yield StreamEnd(self.model, self.usage(out), reason, out.request_id)
+            yield StreamEnd(self.model, self.usage(out), self._parser.finish_reason(c.finish_reason), out.request_id)
 
 
 class InProcessBackend:

@@ -126,7 +126,9 @@ def test_parse_calls_and_text():
     assert [(c.name, json.loads(c.arguments)) for c in message.tool_calls] == [
         ("get_weather", {"city": "Paris", "days": 2}), ("ping", {})]
     assert len({c.id for c in message.tool_calls}) == 2
-    assert message.finish_reason("stop") == "tool_calls" and message.finish_reason("length") == "length"
+    # Complete calls are reported as such even when max_tokens ended the output after them.
+    assert message.finish_reason("stop") == "tool_calls" and message.finish_reason("length") == "tool_calls"
+    assert ParsedMessage("text").finish_reason("length") == "length"
     only = parse_tool_calls(_block("ping", {}), _request("required"))
     assert only.content is None and only.to_openai() == {
         "role": "assistant", "content": None,
@@ -137,10 +139,13 @@ def test_parse_calls_and_text():
 def test_parse_keeps_what_is_not_a_call_as_text():
     request = _request()
     for text in ("<tool_call>\n{not json}\n</tool_call>", _block("unknown_tool", {}),
-                 '<tool_call>\n{"name": "ping", "arguments": [1]}\n</tool_call>',
-                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'):  # cut off by max_tokens
+                 '<tool_call>\n{"name": "ping", "arguments": [1]}\n</tool_call>'):
         message = parse_tool_calls(text, request)
         assert message.tool_calls == () and message.content == text
+    # A block cut off by max_tokens is dropped: no raw markup in the content.
+    cut = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    assert parse_tool_calls(cut, request) == ParsedMessage("Checking.")
+    assert parse_tool_calls(cut[len("Checking. "):], request) == ParsedMessage("")
     # A closing tag inside an argument string does not end the block.
     tricky = _block("get_weather", {"city": "</tool_call>", "days": 1})
     [call] = parse_tool_calls(tricky, request).tool_calls

@@ -251,3 +251,27 @@ def test_integrations_use_only_the_engine_public_api():
                     assert module == "engine", f"{path.name} imports {module}: use engine's exports"
                     names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
                     assert set(names) <= set(engine.__all__), f"{path.name} imports non-public {names}"
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("mode", MODES)
+def test_forced_tool_choice_ends_with_the_complete_call(make_chat, mode):
+    """The reported case: tool_choice "any" (OpenAI's "required") with parallel calls allowed, where
+    SmolLM2 repeats the same call; the repeat ends the output, invoked and streamed."""
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return "sunny"
+
+    chat = make_chat(mode, max_tokens=200).bind_tools([get_weather], tool_choice="any")
+    question = [HumanMessage("What's the weather in Paris?")]
+    message = chat.invoke(question)
+    streamed = None
+    for chunk in chat.stream(question):
+        streamed = chunk if streamed is None else streamed + chunk
+    for result in (message, streamed):
+        assert result.response_metadata["finish_reason"] == "tool_calls"
+        assert result.content == "" and not result.invalid_tool_calls
+        assert [(c["name"], c["args"]) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
