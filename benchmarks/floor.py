@@ -2,9 +2,9 @@
 traffic allow, whatever the engine.
 
 Measured here, once per run (this machine type varies: the CPU in the JSON says which ran):
-  * GEMM rates at the model's own shapes, in float32 (through oneDNN, the path our CPU backend
-    takes; MKL's sgemm runs AVX2 code on AMD) and bfloat16 (F.linear, oneDNN underneath), at
-    prefill sizes (M = 1,024-2,048 rows) and decode sizes (M = 1-64 rows);
+  * GEMM rates at the model's own shapes, float32 and bfloat16, through oneDNN with prepacked
+    weights (the path our CPU backend takes, kernels/cpu/onednn_linear.py; MKL's sgemm runs AVX2
+    code on AMD), at prefill sizes (M = 1,024-2,048 rows) and decode sizes (M = 1-64 rows);
   * memory bandwidth, as the read rate of a 1 GiB tensor (torch.sum, all threads), best of 5.
 
 Then, per workload, from the model's config (weights, layers, heads):
@@ -87,29 +87,33 @@ class ModelShape:
 
 
 # -- measurements --------------------------------------------------------------------------------
-def _linear_fn(dtype: torch.dtype):
-    if dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available():
-        return lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    return lambda x, w: F.linear(x, w)
+def _linear_fns(dtype: torch.dtype):
+    """(pack, linear): the fastest linear this machine has, oneDNN with prepacked weights (what the
+    engine's CPU ops run, kernels/cpu/onednn_linear.py), else F.linear."""
+    from kernels.cpu.onednn_linear import onednn_linear_available, pack_weight, packed_linear
+
+    if onednn_linear_available():
+        return pack_weight, packed_linear
+    return (lambda w: w), F.linear
 
 
 def gemm_rate(shape: ModelShape, dtype: torch.dtype, rows: int, seconds: float = 0.5) -> float:
     """FLOP/s of one layer's linears at `rows` rows, best of repeated passes over 8 layers' worth of
     distinct weights (so decode-sized GEMMs read their weights from memory, as they do in a model)."""
-    fn = _linear_fn(dtype)
-    layers = [[torch.randn(o, i, dtype=dtype) for o, i in shape.linears()] for _ in range(8)]
+    pack, fn = _linear_fns(dtype)
+    layers = [[pack(torch.randn(o, i, dtype=dtype)) for o, i in shape.linears()] for _ in range(8)]
     xs = {i: torch.randn(rows, i, dtype=dtype) for _, i in shape.linears()}
     flops = 8 * 2 * rows * shape.layer_params
     best = float("inf")
     with torch.inference_mode():
         for w in layers[0]:
-            fn(xs[w.shape[1]], w)
+            fn(xs[w.size(1)], w)
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline or best == float("inf"):
             t0 = time.perf_counter()
             for layer in layers:
                 for w in layer:
-                    fn(xs[w.shape[1]], w)
+                    fn(xs[w.size(1)], w)
             best = min(best, time.perf_counter() - t0)
     return flops / best
 

@@ -61,6 +61,23 @@ def compare(ours: dict, vllm: dict | None, floor: dict) -> dict:
     return rows
 
 
+def refloor(name: str, model: str) -> None:
+    from engine.models.resolve import resolve_model
+
+    path = RESULTS / f"{name}.json"
+    data = json.loads(path.read_text())
+    floor = floors(str(resolve_model(model)))
+    for dtype, result in data["results"].items():
+        for job, row in result["rows"].items():
+            row["floor_s"] = floor[dtype][job]
+            for side in ("prefixserve", "vllm"):
+                if f"{side}_s" in row:
+                    row[f"{side}_x_floor"] = row[f"{side}_s"] / row["floor_s"]
+    data["floor_from"] = json.loads((RESULTS / "floor.json").read_text())["environment"]["date"]
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"{name}: floors recomputed from floor.json of {data['floor_from']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -69,7 +86,11 @@ def main() -> None:
     ap.add_argument("--beam-repeats", type=int, default=3)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--name", default="versus_vllm")
+    ap.add_argument("--refloor", action="store_true",
+                    help="recompute the floor columns of results/<name>.json from the current floor.json, run nothing")
     args = ap.parse_args()
+    if args.refloor:
+        return refloor(args.name, args.model)
 
     from transformers import AutoConfig
 
