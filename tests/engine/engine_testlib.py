@@ -1,6 +1,7 @@
 """Shared by engine tests: the HF reference, the near-tie comparison rule, a checked step loop."""
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -67,3 +68,18 @@ def run_checked(engine) -> dict:
                 finals[out.request_id] = out
         engine.check_integrity()
     return finals
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    """n random token ids (away from the special tokens), the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def tiny_llm(path, **kw):
+    """An LLM on a tiny model with a small pool and small steps (chunked prefill shows up early)."""
+    from engine import LLM
+
+    args = dict(block_size=16, num_kv_blocks=128, max_num_batched_tokens=64, max_num_seqs=8)
+    args.update(kw)
+    return LLM(model=str(path), **args)

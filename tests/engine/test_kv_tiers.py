@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import random
 import subprocess
 import sys
 import time
@@ -20,16 +19,11 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.errors import InvalidConfigError
 from fixtures.redis_servers import SHARED_URL, RedisServer, delete_prefix, unique_prefix
 
-from engine_testlib import assert_greedy_match, hf_greedy, run_checked
+from engine_testlib import assert_greedy_match, hf_greedy, random_ids, run_checked
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 HOST_MEMORY = 1 << 20  # 128 tiny-model blocks of 8 KiB
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +56,9 @@ def _run(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list:
 # -- host tier and swap ----------------------------------------------------------------------
 def test_host_tier_hits_after_device_eviction(tiny, hf_model_loader):
     llm = _llm(tiny, num_kv_blocks=12, host_kv_cache_memory=HOST_MEMORY)
-    first = _ids(50, 1)
+    first = random_ids(50, 1)
     (a,) = _run(llm, [first])
-    _run(llm, [_ids(50, 10 + i) for i in range(4)])  # 12 device blocks: `first` is evicted
+    _run(llm, [random_ids(50, 10 + i) for i in range(4)])  # 12 device blocks: `first` is evicted
     stats = llm.engine.stats()
     assert stats["prefix_cache_evictions"] > 0 and stats["kv_host_stores"] >= 3
     (again,) = _run(llm, [first])
@@ -78,7 +72,7 @@ def test_host_tier_hits_after_device_eviction(tiny, hf_model_loader):
 def test_a_failed_step_leaves_no_untrusted_host_blocks(tiny):
     llm = _llm(tiny, num_kv_blocks=8, max_num_batched_tokens=128, host_kv_cache_memory=HOST_MEMORY)
     engine = llm.engine
-    first = _ids(50, 30)
+    first = random_ids(50, 30)
     (ref,) = _run(llm, [first])
     execute = engine.runner.execute
     failed = []
@@ -90,7 +84,7 @@ def test_a_failed_step_leaves_no_untrusted_host_blocks(tiny):
         return execute(batch)
 
     engine.runner.execute = failing
-    engine.add_request("victim", {"prompt_token_ids": _ids(120, 31)}, GREEDY)  # all 8 blocks: demotes `first`
+    engine.add_request("victim", {"prompt_token_ids": random_ids(120, 31)}, GREEDY)  # all 8 blocks: demotes `first`
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     assert failed and engine.abort_running() == ["victim"]
@@ -115,7 +109,7 @@ def _count_computed_tokens(llm: LLM) -> list[int]:
 
 def test_swap_preemption_resumes_without_recomputation(tiny):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = [_ids(40, 100 + i) for i in range(4)]  # 4 x 5 blocks at the end > 12 blocks
+    prompts = [random_ids(40, 100 + i) for i in range(4)]  # 4 x 5 blocks at the end > 12 blocks
     roomy = _llm(tiny)
     roomy_computed = _count_computed_tokens(roomy)
     reference = [o.outputs[0].token_ids for o in _run(roomy, prompts, params)]
@@ -133,7 +127,7 @@ def test_swap_preemption_resumes_without_recomputation(tiny):
 
 def test_swap_without_host_room_falls_back_to_recompute(tiny):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = [_ids(40, 200 + i) for i in range(4)]
+    prompts = [random_ids(40, 200 + i) for i in range(4)]
     reference = [o.outputs[0].token_ids for o in _run(_llm(tiny), prompts, params)]
     tight = _llm(tiny, num_kv_blocks=12, preemption_mode="swap", host_kv_cache_memory=8192)  # one block
     outs = _run(tight, prompts, params)
@@ -167,7 +161,7 @@ def _replica(path, prefix: str, prompt: list[int]) -> dict:
 
 
 def test_a_second_engine_process_hits_what_the_first_computed(tiny, prefix):
-    prompt = _ids(70, 7)  # 4 full reusable blocks
+    prompt = random_ids(70, 7)  # 4 full reusable blocks
     first = _replica(tiny, prefix, prompt)
     assert first["cached"] == 0
     # A new process -- another replica, or this one restarted -- on the same Redis.
@@ -177,7 +171,7 @@ def test_a_second_engine_process_hits_what_the_first_computed(tiny, prefix):
 
 
 def test_corrupted_value_is_detected_and_recomputed(tiny, prefix):
-    prompt = _ids(70, 8)
+    prompt = random_ids(70, 8)
     a = _llm(tiny, kv_redis_url=SHARED_URL, kv_redis_key_prefix=prefix, kv_redis_ttl=600)
     (ref,) = _run(a, [prompt])
     assert a.engine.flush_kv_writes() and a.engine.stats()["kv_redis_writes"] == 4
@@ -206,8 +200,8 @@ def test_corrupted_value_is_detected_and_recomputed(tiny, prefix):
 
 
 def test_redis_killed_or_hung_mid_run_every_request_completes(tiny):
-    system = _ids(48, 9)
-    prompts = [system + _ids(10, 300 + i) for i in range(9)]
+    system = random_ids(48, 9)
+    prompts = [system + random_ids(10, 300 + i) for i in range(9)]
     reference = [o.outputs[0].token_ids for o in _run(_llm(tiny), prompts)]
     server = RedisServer().start()
     try:
@@ -240,7 +234,7 @@ def test_redis_killed_or_hung_mid_run_every_request_completes(tiny):
         writes = engine.stats()["kv_redis_writes"]
         deadline = time.monotonic() + 15  # reconnects by itself once the backoff has passed
         while engine.stats()["kv_redis_writes"] == writes and time.monotonic() < deadline:
-            _run(llm, [_ids(40, int(time.monotonic_ns() % 10**6))])
+            _run(llm, [random_ids(40, int(time.monotonic_ns() % 10**6))])
             engine.flush_kv_writes(1.0)
             time.sleep(0.2)
         assert engine.stats()["kv_redis_writes"] > writes

@@ -1,31 +1,19 @@
 """The prefix cache inside the engine: hits, partial blocks, tenants, and unchanged outputs."""
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from engine import LLM, SamplingParams
 
-from engine_testlib import assert_greedy_match, hf_greedy, run_checked
+from engine_testlib import assert_greedy_match, hf_greedy, random_ids, run_checked, tiny_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory):
     return tiny_model_factory("qwen2")
-
-
-def _llm(path, **kw):
-    args = dict(block_size=16, num_kv_blocks=128, max_num_batched_tokens=64, max_num_seqs=8)
-    args.update(kw)
-    return LLM(model=str(path), **args)
 
 
 def _run(llm, prompt_ids, params=GREEDY, **kw):
@@ -34,10 +22,10 @@ def _run(llm, prompt_ids, params=GREEDY, **kw):
 
 @pytest.mark.parametrize("shared", [16, 32, 37, 45, 63])
 def test_shared_prefix_hit_including_partial_block(tiny, hf_model_loader, shared):
-    llm = _llm(tiny)
-    system = _ids(64, 1)
-    first = system + _ids(20, 2)
-    second = system[:shared] + _ids(30, 3)
+    llm = tiny_llm(tiny)
+    system = random_ids(64, 1)
+    first = system + random_ids(20, 2)
+    second = system[:shared] + random_ids(30, 3)
     _run(llm, first)
     out = _run(llm, second)
     # Full blocks and the partial block by copy-on-write: every shared token is reused.
@@ -49,8 +37,8 @@ def test_shared_prefix_hit_including_partial_block(tiny, hf_model_loader, shared
 
 
 def test_whole_prompt_cached_still_recomputes_last_token(tiny):
-    llm = _llm(tiny)
-    prompt = _ids(48, 4)  # exactly 3 blocks
+    llm = tiny_llm(tiny)
+    prompt = random_ids(48, 4)  # exactly 3 blocks
     a = _run(llm, prompt)
     b = _run(llm, prompt)
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 47
@@ -58,16 +46,16 @@ def test_whole_prompt_cached_still_recomputes_last_token(tiny):
 
 
 def test_cache_off_never_hits(tiny):
-    llm = _llm(tiny, enable_prefix_caching=False)
-    prompt = _ids(48, 5)
+    llm = tiny_llm(tiny, enable_prefix_caching=False)
+    prompt = random_ids(48, 5)
     _run(llm, prompt)
     assert _run(llm, prompt).num_cached_tokens == 0
     assert llm.engine.stats()["prefix_cache_hits"] == 0
 
 
 def test_cache_salt_keeps_tenants_apart(tiny):
-    llm = _llm(tiny)
-    prompt = _ids(48, 6)  # block-aligned: every prompt block is full, hence cached
+    llm = tiny_llm(tiny)
+    prompt = random_ids(48, 6)  # block-aligned: every prompt block is full, hence cached
     _run(llm, prompt, cache_salt="tenant-a")
     assert _run(llm, prompt, cache_salt="tenant-b").num_cached_tokens == 0
     assert _run(llm, prompt, cache_salt="tenant-a").num_cached_tokens == 47
@@ -75,22 +63,22 @@ def test_cache_salt_keeps_tenants_apart(tiny):
 
 
 def test_blocks_shareable_while_the_first_request_still_runs(tiny):
-    llm = _llm(tiny, max_num_batched_tokens=32)
+    llm = tiny_llm(tiny, max_num_batched_tokens=32)
     engine = llm.engine
-    system = _ids(96, 7)
-    engine.add_request("a", {"prompt_token_ids": system + _ids(4, 8)}, GREEDY)
+    system = random_ids(96, 7)
+    engine.add_request("a", {"prompt_token_ids": system + random_ids(4, 8)}, GREEDY)
     engine.step()
     engine.step()  # a has computed 64 tokens = 4 full blocks, still prefilling
-    engine.add_request("b", {"prompt_token_ids": system[:70] + _ids(5, 9)}, GREEDY)
+    engine.add_request("b", {"prompt_token_ids": system[:70] + random_ids(5, 9)}, GREEDY)
     finals = run_checked(engine)
     assert finals["b"].num_cached_tokens >= 64
 
 
 def test_stats_count_queries_and_hits(tiny):
-    llm = _llm(tiny)
-    prompt = _ids(64, 10)
+    llm = tiny_llm(tiny)
+    prompt = random_ids(64, 10)
     _run(llm, prompt)
-    _run(llm, prompt[:40] + _ids(8, 11))
+    _run(llm, prompt[:40] + random_ids(8, 11))
     stats = llm.engine.stats()
     assert stats["prefix_cache_queries"] == 64 + 48
     assert stats["prefix_cache_hits"] == 40
@@ -98,8 +86,8 @@ def test_stats_count_queries_and_hits(tiny):
 
 def test_eviction_under_pressure_keeps_outputs_right(tiny, hf_model_loader):
     # 12 blocks: older cached prefixes must be evicted to admit new prompts.
-    llm = _llm(tiny, num_kv_blocks=12)
-    prompts = [_ids(50, 20 + i) for i in range(6)]
+    llm = tiny_llm(tiny, num_kv_blocks=12)
+    prompts = [random_ids(50, 20 + i) for i in range(6)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     again = _run(llm, prompts[-1])
     assert again.num_cached_tokens > 0
@@ -133,9 +121,9 @@ def test_smollm2_greedy_same_with_cache_on_and_off(smollm2_path, hf_model_loader
 
 
 def test_requests_arriving_together_compute_a_shared_prefix_once(tiny, hf_model_loader):
-    llm = _llm(tiny, max_num_batched_tokens=256, max_num_seqs=8)
-    system = _ids(64, 30)
-    prompts = [system + _ids(8, 31 + i) for i in range(8)]
+    llm = tiny_llm(tiny, max_num_batched_tokens=256, max_num_seqs=8)
+    system = random_ids(64, 30)
+    prompts = [system + random_ids(8, 31 + i) for i in range(8)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     # The first computes the 64-token prefix; the other seven wait one step and hit all of it.
     assert sorted(o.num_cached_tokens for o in outs) == [0] + [64] * 7

@@ -2,32 +2,20 @@
 after preemption: every prompt token scored exactly once, with the same values however its KV came."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 
-from engine_testlib import run_checked
+from engine_testlib import random_ids, run_checked, tiny_llm
 
 TOL = 1e-4  # float32
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory):
     return tiny_model_factory("qwen2")
-
-
-def _llm(path, **kw):
-    args = dict(block_size=16, num_kv_blocks=128, max_num_batched_tokens=64, max_num_seqs=8)
-    args.update(kw)
-    return LLM(model=str(path), **args)
 
 
 def _scored(llm, prompt, k=2, **params):
@@ -47,8 +35,8 @@ def _hf_chosen(model, prompt: list[int]) -> list[float]:
 
 
 def test_chunked_prompt_logprobs_match_hf(tiny, hf_model_loader):
-    llm = _llm(tiny)
-    prompt = _ids(100, 1)  # two chunks of 64 tokens
+    llm = tiny_llm(tiny)
+    prompt = random_ids(100, 1)  # two chunks of 64 tokens
     out = _scored(llm, prompt, k=3)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 100
     assert _chosen(out) == pytest.approx(_hf_chosen(hf_model_loader(tiny), prompt), abs=TOL)
@@ -59,8 +47,8 @@ def test_chunked_prompt_logprobs_match_hf(tiny, hf_model_loader):
 
 
 def test_cached_prefix_is_scored_again_and_still_served(tiny):
-    llm = _llm(tiny)
-    prompt = _ids(70, 2)
+    llm = tiny_llm(tiny)
+    prompt = random_ids(70, 2)
     plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2),
                          use_tqdm=False)[0]
     assert plain.num_cached_tokens == 0  # the prompt's 4 full blocks are cached now
@@ -70,11 +58,11 @@ def test_cached_prefix_is_scored_again_and_still_served(tiny):
     again = _scored(llm, prompt)
     assert again.num_cached_tokens == 0
     assert again.prompt_logprobs == first.prompt_logprobs
-    off = _scored(_llm(tiny, enable_prefix_caching=False), prompt)
+    off = _scored(tiny_llm(tiny, enable_prefix_caching=False), prompt)
     assert _chosen(first) == pytest.approx(_chosen(off), abs=TOL)
     # A request that does not ask for prompt logprobs still hits the blocks.
     before = llm.engine.stats()["prefix_cache_hits"]
-    served = llm.generate({"prompt_token_ids": prompt + _ids(5, 3)}, SamplingParams(temperature=0, max_tokens=2),
+    served = llm.generate({"prompt_token_ids": prompt + random_ids(5, 3)}, SamplingParams(temperature=0, max_tokens=2),
                           use_tqdm=False)[0]
     assert served.num_cached_tokens == 64
     assert llm.engine.stats()["prefix_cache_hits"] - before == 64
@@ -82,10 +70,10 @@ def test_cached_prefix_is_scored_again_and_still_served(tiny):
 
 
 def test_preempted_request_scores_every_prompt_token_once(tiny):
-    prompts = [_ids(30 + i, 10 + i) for i in range(6)]
+    prompts = [random_ids(30 + i, 10 + i) for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
-    roomy = _llm(tiny, block_size=8).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tight = _llm(tiny, block_size=8, num_kv_blocks=12, max_num_seqs=6)  # cannot hold all six: preemption
+    roomy = tiny_llm(tiny, block_size=8).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tight = tiny_llm(tiny, block_size=8, num_kv_blocks=12, max_num_seqs=6)  # cannot hold all six: preemption
     outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     for out, ref in zip(outs, roomy):
@@ -96,8 +84,8 @@ def test_preempted_request_scores_every_prompt_token_once(tiny):
 
 
 def test_n_samples_share_one_prompt_scoring(tiny):
-    llm = _llm(tiny)
-    prompt = _ids(40, 4)
+    llm = tiny_llm(tiny)
+    prompt = random_ids(40, 4)
     engine = llm.engine
     engine.add_request("r", {"prompt_token_ids": prompt},
                        SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, prompt_logprobs=0))

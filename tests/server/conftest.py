@@ -5,6 +5,8 @@ real-model tests build their own engine.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 from server_testlib import TINY_MAX_MODEL_LEN, shutdown_engine, wait_for_idle
 
@@ -54,3 +56,18 @@ def idle_engine(tiny_engine):
     wait_for_idle(tiny_engine)
     yield tiny_engine
     wait_for_idle(tiny_engine)
+
+
+@pytest.fixture
+def slow_engine(idle_engine, monkeypatch):
+    """idle_engine with each step taking >= 10 ms, so a long request is reliably still running
+    mid-test (a client that leaves it, a SIGTERM that drains it)."""
+    runner = idle_engine.engine.runner
+    original = runner.execute
+
+    def execute(batch):
+        time.sleep(0.01)
+        return original(batch)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    return idle_engine

@@ -3,7 +3,6 @@ known traffic (official openai client), an aborted stream, the content type, `--
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -92,20 +91,6 @@ def test_request_histograms_after_known_traffic(base_url, idle_engine):
     decode, inference = delta("request_decode_time_seconds_sum"), delta("request_inference_time_seconds_sum")
     assert decode > 0 and prefill + decode == pytest.approx(inference, rel=1e-6, abs=1e-9)
     assert delta("e2e_request_latency_seconds_sum") >= ttft
-
-
-@pytest.fixture
-def slow_engine(idle_engine, monkeypatch):
-    """Each engine step takes >= 10 ms, so a long request is still running when its client leaves."""
-    runner = idle_engine.engine.runner
-    original = runner.execute
-
-    def execute(batch):
-        time.sleep(0.01)
-        return original(batch)
-
-    monkeypatch.setattr(runner, "execute", execute)
-    return idle_engine
 
 
 def test_client_disconnect_is_counted_as_abort(base_url, slow_engine):

@@ -28,20 +28,6 @@ def base_url(tiny_engine):
         yield url
 
 
-@pytest.fixture
-def slow_engine(idle_engine, monkeypatch):
-    """Each engine step takes >= 10 ms, so a long request is reliably still running mid-test."""
-    runner = idle_engine.engine.runner
-    original = runner.execute
-
-    def execute(batch):
-        time.sleep(0.01)
-        return original(batch)
-
-    monkeypatch.setattr(runner, "execute", execute)
-    return idle_engine
-
-
 def test_openai_client_over_http(base_url, idle_engine):
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
     out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
