@@ -1,8 +1,6 @@
 """The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models."""
 from __future__ import annotations
 
-import asyncio
-import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,8 +20,8 @@ from app.protocol import (
 from app.completion_choices import CompletionChoices, prompt_logprob_structs
 from app.serving import (
     ChoiceCursor, Run, chat_conversation, chat_logprobs, check_aborted, completion_prompts,
-    completion_sampling_params, finish_reason, guarded_stream, json_response, sampling_params, sse, sse_response,
-    usage,
+    completion_sampling_params, finish_reason, guarded_stream, json_response, prepare_chat, sampling_params, sse,
+    sse_response, usage,
 )
 from app.state import ServerState
 from engine import openai_compat
@@ -31,7 +29,6 @@ from engine.outputs import RequestOutput
 from engine.tool_calls import PreparedChat, ToolCall
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-LARGE_PROMPT_CHARS = 64 * 1024
 
 
 def _state(request: Request) -> ServerState:
@@ -138,14 +135,11 @@ async def create_chat_completion(request: Request) -> Response:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens=max_tokens, logprobs=k, vocab_size=engine.model_info.vocab_size)
     # The template with tools, tool calls and tool results, plus the tool-call grammar (engine/tool_calls.py).
-    prepare = functools.partial(
-        state.tool_chat.prepare, conversation, req.tools, req.tool_choice, req.parallel_tool_calls,
+    prepared = await prepare_chat(
+        state.tool_chat, conversation, req.tools, req.tool_choice, req.parallel_tool_calls,
         add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
         continue_final_message=bool(req.continue_final_message), chat_template_kwargs=req.chat_template_kwargs,
     )
-    # Rendering + tokenizing a huge conversation takes a while: keep the event loop free meanwhile.
-    big = sum(len(m["content"]) for m in conversation) > LARGE_PROMPT_CHARS
-    prepared = await asyncio.to_thread(prepare) if big else prepare()
     params = prepared.apply(params)
     prompt_ids = prepared.prompt_token_ids
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"

@@ -9,8 +9,6 @@ bounded per-process LRU (app/responses_store.py).
 """
 from __future__ import annotations
 
-import asyncio
-import functools
 from typing import Any
 
 from litestar import Request, Response, delete, get, post
@@ -29,11 +27,11 @@ from app.responses_output import (
 from app.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest, ResponseStreamEvent
 from app.responses_store import ResponseStore
 from app.responses_stream import EventWriter, response_events
-from app.serving import Run, check_aborted, finish_reason, guarded_stream, json_response, sse_response
+from app.serving import (
+    Run, check_aborted, finish_reason, guarded_stream, json_response, prepare_chat, sse_response,
+)
 from app.state import ServerState
 from engine import openai_compat
-
-LARGE_PROMPT_CHARS = 64 * 1024
 
 
 def _state(request: Request) -> ServerState:
@@ -69,11 +67,8 @@ async def create_response(request: Request) -> Response:
     with in_responses_terms():
         params = openai_compat.sampling_params(sampling_fields(req), max_tokens=req.max_output_tokens,
                                                logprobs=None, vocab_size=engine.model_info.vocab_size)
-        prepare = functools.partial(state.tool_chat.prepare, messages, chat_tools(req.tools),
-                                    chat_tool_choice(req.tool_choice), req.parallel_tool_calls)
-        # Rendering + tokenizing a huge conversation takes a while: keep the event loop free meanwhile.
-        big = sum(len(m["content"]) for m in messages) > LARGE_PROMPT_CHARS
-        prepared = await asyncio.to_thread(prepare) if big else prepare()
+        prepared = await prepare_chat(state.tool_chat, messages, chat_tools(req.tools),
+                                      chat_tool_choice(req.tool_choice), req.parallel_tool_calls)
         params = prepared.apply(params)
     stored = req.store is not False and state.responses.capacity > 0
     response_id = new_id("resp")

@@ -22,7 +22,7 @@ from engine.async_engine import AsyncEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine import openai_compat
 from engine.sampling_params import SamplingParams
-from engine.tool_calls import ToolChat, ToolRequest
+from engine.tool_calls import PreparedChat, ToolChat, ToolRequest
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 DONE = b"data: [DONE]\n\n"
@@ -104,6 +104,18 @@ def render_chat(tool_chat: ToolChat, conversation: list[dict], *, add_generation
     return tool_chat.render(conversation, tools, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=template_kwargs)
+
+
+# Rendering + tokenizing a conversation longer than this takes long enough to leave the event loop.
+LARGE_PROMPT_CHARS = 64 * 1024
+
+
+async def prepare_chat(tool_chat: ToolChat, conversation: list[dict], *args: Any, **kwargs: Any) -> PreparedChat:
+    """`tool_chat.prepare(conversation, *args, **kwargs)` (template, tools, grammar), in a worker
+    thread when the conversation is large so the event loop stays free meanwhile."""
+    if sum(len(m["content"]) for m in conversation) > LARGE_PROMPT_CHARS:
+        return await asyncio.to_thread(tool_chat.prepare, conversation, *args, **kwargs)
+    return tool_chat.prepare(conversation, *args, **kwargs)
 
 
 # -- running -------------------------------------------------------------------------------
