@@ -7,7 +7,8 @@ Fixtures (session scoped):
   once per machine into the user's prefixserve cache (``$PREFIXSERVE_CACHE_DIR`` or
   ``~/.cache/prefixserve``); later sessions reuse it instantly.
 * ``tiny_model_factory`` -> ``make(arch, **kwargs) -> pathlib.Path``: a tiny random float32 model folder
-  for "llama" (MHA), "qwen2" (GQA + q/k/v biases) or "mistral" (MQA) with the SmolLM2 tokenizer, cached
+  for "llama" (MHA), "qwen2" (GQA + q/k/v biases), "qwen3" (GQA + per-head q/k norms) or "mistral"
+  (MQA) with the SmolLM2 tokenizer, cached
   per parameter set for the session. See tests/fixtures/tiny_models.py for the keyword arguments and why
   the weights use a large init std (clear greedy argmax margins).
 """

@@ -33,6 +33,7 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -75,10 +76,14 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         raise InvalidConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu).")
     num_heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+    # transformers >= 5 writes rope_parameters; older checkpoints (Llama 3.1, Qwen2.5) carry rope_scaling.
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:  # our rope ops rotate the whole head
+        raise InvalidConfigError(f"partial_rotary_factor {partial} is not supported (only 1.0: rope over the whole head).")
     sliding = raw.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
         sliding = None
     return ModelConfig(
         architecture=arch,
@@ -99,4 +104,5 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         sliding_window=sliding if isinstance(sliding, int) else None,
         eos_token_ids=_eos_ids(folder, raw),
         bos_token_id=raw.get("bos_token_id"),
+        qk_norm=arch == "Qwen3ForCausalLM",
     )

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) with attention read through block tables.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) with attention read through block tables.
 
 Module names match Hugging Face's checkpoints so weights load by name; the modules only hold
 weights. The forward is written once, over a backend's op set (kernels.KernelOps) bound at load
@@ -8,7 +8,8 @@ The KV cache is one tensor for all layers, [num_layers, 2, num_blocks, block_siz
 head_dim]; each layer writes its new K/V into slots and reads all K/V through the block tables.
 
     per layer:  h, res = add_rms_norm(x, res)          (layer 0: res = embeddings)
-                qkv = linear(h, Wqkv, b); rope(q, k); K, V -> cache slots (store_kv)
+                qkv = linear(h, Wqkv, b); [Qwen3: rms_norm(q), rms_norm(k) per head]
+                rope(q, k); K, V -> cache slots (store_kv)
                 x = linear(attention(q), Wo, b);  h, res = add_rms_norm(x, res)
                 x = linear(silu_mul(linear(h, Wgu, b)), Wd, b)
     then:       out = add_rms_norm(x, res)
@@ -41,6 +42,9 @@ class Attention(nn.Module):
             cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: every head's q and k are RMS-normalised (one [D] weight each) before rope
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
 
 class MLP(nn.Module):
@@ -74,6 +78,8 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, I]
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # [D] (Qwen3's per-head q/k norms; None elsewhere)
+    k_norm: torch.Tensor | None = None  # [D]
 
     @classmethod
     def of(cls, layer: DecoderLayer, pack: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
@@ -81,7 +87,8 @@ class LayerWeights:
         a, m = layer.self_attn, layer.mlp
         return cls(layer.input_layernorm.weight, pack(a.qkv_proj.weight), a.qkv_proj.bias, pack(a.o_proj.weight),
                    a.o_proj.bias, layer.post_attention_layernorm.weight, pack(m.gate_up_proj.weight),
-                   m.gate_up_proj.bias, pack(m.down_proj.weight), m.down_proj.bias)
+                   m.gate_up_proj.bias, pack(m.down_proj.weight), m.down_proj.bias,
+                   getattr(getattr(a, "q_norm", None), "weight", None), getattr(getattr(a, "k_norm", None), "weight", None))
 
 
 class Backbone(nn.Module):
@@ -93,7 +100,7 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2ForCausalLM and MistralForCausalLM: they differ only in config flags."""
+    """Also serves Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM: they differ only in config flags."""
 
     def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0) -> None:
         super().__init__()
@@ -143,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         for i, w in enumerate(self._layers):
             h, residual = ops.add_rms_norm(x, residual, w.norm1, eps)  # residual = x + residual
             qkv = ops.linear(h, w.qkv, w.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
-            qk = ops.rope(qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)  # [T, Hq+Hkv, D]
+            qk = ops.rope(self._qk(ops, qkv, w, T), cos, sin)  # [T, Hq+Hkv, D]
             q, k = qk[:, :Hq], qk[:, Hq:]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)  # [T, Hkv, D]
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]  # [NB, BS, Hkv, D]
@@ -157,6 +164,18 @@ class LlamaForCausalLM(nn.Module):
             h, residual = ops.add_rms_norm(x, residual, w.norm2, eps)
             x = ops.linear(ops.silu_mul(ops.linear(h, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
         return ops.add_rms_norm(x, residual, self.model.norm.weight, eps)[0]  # [T, hidden]
+
+    def _qk(self, ops: KernelOps, qkv: torch.Tensor, w: LayerWeights, T: int) -> torch.Tensor:
+        """The q and k heads of a qkv projection, RMS-normalised per head where the model does (Qwen3),
+        ready for rope: [T, Hq+Hkv, D] (a view into qkv when there are no q/k norms)."""
+        cfg = self.config
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if w.q_norm is None:
+            return qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D)
+        q = ops.add_rms_norm(qkv[:, : Hq * D].reshape(T * Hq, D), None, w.q_norm, cfg.rms_norm_eps)[0]  # [T*Hq, D]
+        k = ops.add_rms_norm(qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T * Hkv, D), None, w.k_norm,
+                             cfg.rms_norm_eps)[0]  # [T*Hkv, D]
+        return torch.cat((q.view(T, Hq, D), k.view(T, Hkv, D)), dim=1)  # [T, Hq+Hkv, D]
 
     @staticmethod
     def _mixed_attention(ops: KernelOps, q, k_cache, v_cache, attn: AttentionMetadata) -> torch.Tensor:

@@ -54,12 +54,16 @@ __all__ = [
 
 logger = logging.getLogger("prefixserve")
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+)
 
 # config.json "model_type" -> architecture, for folders whose config has no "architectures".
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+}
 # GGUF "general.architecture" -> architecture (Mistral GGUFs usually say "llama").
-_GGUF_ARCH_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_GGUF_ARCH_TO_ARCH = dict(_MODEL_TYPE_TO_ARCH)  # GGUF's general.architecture uses the same names
 
 # Bump when the conversion output changes, so stale cache folders are not reused.
 _CONVERSION_VERSION = 1

@@ -15,7 +15,7 @@ def _mixed_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
     return [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_tiny_models_match_hf(arch, block_size, tiny_model_factory, hf_model_loader):
     path = tiny_model_factory(arch)

@@ -28,7 +28,7 @@ def _run_with(model, ops, input_ids, positions, kv_cache, attn):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # MHA; GQA with q/k/v biases; MQA
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])  # MHA; GQA + biases; GQA + q/k norms; MQA
 @pytest.mark.parametrize("batch", [1, 3, 12])  # 1: oneDNN / F.linear; 3: C linears; 12: past bf16's 8 C rows
 def test_bound_cpu_ops_match_checked_launchers_and_references(tiny_model_factory, monkeypatch, arch, dtype, batch):
     if native_kernels() is None:

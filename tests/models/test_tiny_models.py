@@ -16,6 +16,7 @@ EXPECTED = {
     # arch: (class, kv heads, has q/k/v bias)
     "llama": ("LlamaForCausalLM", 4, False),
     "qwen2": ("Qwen2ForCausalLM", 2, True),
+    "qwen3": ("Qwen3ForCausalLM", 2, False),
     "mistral": ("MistralForCausalLM", 1, False),
 }
 
