@@ -26,6 +26,7 @@ from app.docs import DOCS_ROUTES, render_plugins
 from app.errors import handle_exception
 from app.metrics import DEFAULT_NAMESPACE, ServerMetrics
 from app.openapi import openapi_config
+from app.routes_loads import LOADS_ROUTES
 from app.routes_misc import MISC_ROUTES, package_version
 from app.routes_openai import OPENAI_ROUTES
 from app.routes_responses import RESPONSES_ROUTES
@@ -79,7 +80,7 @@ def create_app(
             app.state.server.engine.start()
 
     return Litestar(
-        route_handlers=[*OPENAI_ROUTES, *RESPONSES_ROUTES, *MISC_ROUTES, *DOCS_ROUTES],
+        route_handlers=[*OPENAI_ROUTES, *RESPONSES_ROUTES, *MISC_ROUTES, *LOADS_ROUTES, *DOCS_ROUTES],
         exception_handlers={Exception: handle_exception},
         request_max_body_size=max_body_bytes,
         openapi_config=openapi_config(package_version(), render_plugins()),

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.errors import OpenAIError
+from app.loads import LoadReporter
 from app.metrics import ServerMetrics
 from app.responses_store import ResponseStore
 from engine.async_engine import AsyncEngine
@@ -25,6 +26,7 @@ class ServerState:
     load_error: str | None = None
     # Stored /v1/responses results (previous_response_id, GET /v1/responses/{id}); per process.
     responses: ResponseStore = field(default_factory=ResponseStore)
+    loads: LoadReporter = field(default_factory=LoadReporter)  # GET /v1/loads (app/routes_loads.py)
     # The engine's chat template with tool calling: built once (it probes the template), not per request.
     tool_chat: ToolChat | None = field(init=False, default=None)
 
