@@ -1,4 +1,5 @@
-"""`prefixserve` command line: generate (one prompt) and serve (the OpenAI-compatible server)."""
+"""`prefixserve` command line: generate (one prompt), serve (the OpenAI-compatible server) and cluster
+(several servers behind the SGLang Model Gateway: app/cluster.py)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import logging
 import sys
 
 from app.args import add_engine_args, engine_config_from_args
+from app.cluster import add_cluster_args
 from app.responses_store import DEFAULT_MAX_STORED_RESPONSES
 from engine.config import DEFAULT_MODEL
 
@@ -64,14 +66,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds to let in-flight requests finish after SIGTERM before aborting them")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+
+    cluster = sub.add_parser(
+        "cluster", allow_abbrev=False, help="several `serve` replicas behind the SGLang Model Gateway (pip install 'prefixserve[cluster]')",
+        description="Starts --replicas `prefixserve serve` workers and the gateway in front of them. Flags not "
+                    "listed here (the model, --dtype, --kv-redis-url, ...) go to every worker's `serve`.")
+    add_cluster_args(cluster)
+    cluster.set_defaults(func=_cluster)
     return parser
 
 
+def _cluster(args: argparse.Namespace, extra: list[str]) -> int:
+    from app.cluster import run_cluster
+
+    build_parser().parse_args(["serve", *extra])  # the workers' flags fail here, before anything starts
+    return run_cluster(args, extra)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "cluster":  # only the cluster passes flags on (to its workers)
+        parser.parse_args(argv)  # exits with argparse's usual "unrecognized arguments" error
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        return args.func(args, extra) if args.command == "cluster" else args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"prefixserve: error: {exc}", file=sys.stderr)
         return 2
