@@ -18,6 +18,7 @@ the cluster stops.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
@@ -104,10 +105,8 @@ def _http_ok(url: str, timeout: float = 2.0) -> bool:
 
 
 def _require_gateway() -> None:
-    try:
-        import smg  # noqa: F401
-    except ImportError:
-        raise ValueError("the cluster needs the SGLang Model Gateway: pip install 'prefixserve[cluster]'") from None
+    if importlib.util.find_spec("smg") is None:
+        raise ValueError("the cluster needs the SGLang Model Gateway: pip install 'prefixserve[cluster]'")
 
 
 @dataclass(eq=False)

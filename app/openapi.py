@@ -25,6 +25,7 @@ ERROR_DESCRIPTIONS = {
     400: "Invalid request: a field has a bad value or type, or the prompt is too long (`param` names the field).",
     401: "Missing or wrong API key (the server was started with --api-key).",
     404: "The model is not served here.",
+    409: "The server's state does not allow it now (a prefix-cache reset while requests hold KV blocks).",
     413: "The request body is larger than the server accepts.",
     429: "Overloaded: too many requests in flight. Retry after Retry-After seconds.",
     503: "The model is still loading, the server is draining, or the engine stopped. Retry after Retry-After "

@@ -1,4 +1,5 @@
-"""Operational endpoints: /health, /metrics, /version, and vLLM's /tokenize and /detokenize."""
+"""Operational endpoints: /health, /metrics, /version, and vLLM's /tokenize, /detokenize and
+/reset_prefix_cache."""
 from __future__ import annotations
 
 from importlib import metadata
@@ -89,4 +90,18 @@ async def detokenize(request: Request) -> Response:
     return _json(DetokenizeResponse(engine.detokenize(req.tokens)))
 
 
-MISC_ROUTES = [health, metrics, version, tokenize, detokenize]
+@post("/reset_prefix_cache", status_code=200, guards=[require_api_key], tags=["Operations"],
+      summary="Forget every cached KV block (vLLM's /reset_prefix_cache)",
+      operation_class=api_operation(errors=(401, 409, 503), ok="The device pool and the host tier hold no cached "
+                                    "block (KV-event subscribers get AllBlocksCleared); empty body."))
+async def reset_prefix_cache(request: Request) -> Response:
+    """As vLLM's: for benchmarks and after weight changes. Refused (409) while requests hold blocks,
+    so no running request loses its cache; the shared Redis tier is left alone."""
+    engine = _state(request).require_engine()
+    if not await engine.reset_prefix_cache():
+        raise OpenAIError(409, "Requests are running; reset the prefix cache when the server is idle.",
+                          code="requests_running")
+    return Response(content=b"", status_code=200)
+
+
+MISC_ROUTES = [health, metrics, version, tokenize, detokenize, reset_prefix_cache]

@@ -11,6 +11,7 @@ freed) and fail with EngineStepError, and the loop keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -52,6 +53,11 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _ResetPrefixCache:
+    done: concurrent.futures.Future  # the engine's answer (bool), set on the engine thread
 
 
 class _Sink:
@@ -196,6 +202,15 @@ class AsyncEngine(FrontendSurface):
     async def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Engine.reset_prefix_cache, run on the engine thread between steps (False while any request
+        holds blocks)."""
+        if not self.is_running:
+            return self.engine.reset_prefix_cache()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_ResetPrefixCache(done))
+        return await asyncio.wrap_future(done)
+
     def _send(self, message) -> None:
         self._inbox.put(message)
         self._wakeup.set()
@@ -240,6 +255,11 @@ class AsyncEngine(FrontendSurface):
                     continue
                 if not message.sink.put(_ACCEPTED):
                     self.engine.abort(message.request_id)
+            elif isinstance(message, _ResetPrefixCache):
+                try:
+                    message.done.set_result(self.engine.reset_prefix_cache())
+                except Exception as exc:  # noqa: BLE001 - reported to the caller
+                    message.done.set_exception(exc)
             else:
                 if self.engine.abort(message.request_id):
                     sink = self._sinks.get(message.request_id)

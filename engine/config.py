@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidConfigError
+from engine.kv_events import KVEventsConfig
 from engine.models.resolve import DEFAULT_MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -44,6 +45,8 @@ class EngineConfig:
     kv_redis_timeout: float = 0.25
     kv_redis_key_prefix: str = "prefixserve"
     kv_tier_policy: str = "auto"  # "auto": load vs recompute from measured costs; "always": load every hit
+    # vLLM's KV events (engine/kv_events.py): a KVEventsConfig, its JSON text (the CLI flag) or a dict.
+    kv_events_config: KVEventsConfig | str | dict | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -87,3 +90,4 @@ class EngineConfig:
             bad(f"kv_redis_key_prefix must be non-empty without ':' or whitespace, got {self.kv_redis_key_prefix!r}.")
         if self.kv_tier_policy not in KV_TIER_POLICIES:
             bad(f"kv_tier_policy must be one of {KV_TIER_POLICIES}, got {self.kv_tier_policy!r}.")
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))

@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidConfigError, InvalidRequestError
 from engine.kv_budget import available_memory_bytes, default_cpu_kv_budget
+from engine.kv_events import KVEvents
 from engine.kv_tiers import build_kv_tiers, tier_stats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.config import ModelConfig, load_model_config
@@ -56,6 +57,8 @@ class Engine:
         )
         # Host-memory and Redis KV tiers (a KVTiers with neither when both are off).
         self.tiers = build_kv_tiers(config, self.blocks, self.model_config, fingerprint)
+        # vLLM-format KV events for KV-aware routers (a null object unless --kv-events-config enables them).
+        self.kv_events = KVEvents(config.kv_events_config, self.blocks, self.tiers.host)
         ops = get_ops(config.attention_backend, self.device, self.dtype)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
@@ -151,7 +154,9 @@ class Engine:
         self.outputs.scheduled(scheduler_output)
         runner_output = self._execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output)
-        return self.outputs.process(scheduler_output, runner_output)
+        outputs = self.outputs.process(scheduler_output, runner_output)
+        self.kv_events.publish()  # this step's cache changes, for KV-aware routers
+        return outputs
 
     def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         try:
@@ -165,8 +170,22 @@ class Engine:
         return self.tiers.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Flush queued Redis writes (up to ``timeout``) and stop the tier's writer. Idempotent."""
+        """Flush queued Redis writes (up to ``timeout``), stop the tier's writer and the KV-event
+        publisher. Idempotent."""
         self.tiers.close(timeout)
+        self.kv_events.close()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block of the device pool and the host tier (not Redis: replicas share
+        it), as vLLM's reset_prefix_cache: only while no request holds blocks; returns whether it
+        did. Subscribers to KV events get AllBlocksCleared."""
+        if self.has_unfinished() or not self.blocks.reset_prefix_cache():
+            return False
+        if self.tiers.host is not None:
+            self.tiers.host.clear_cached()
+        self.kv_events.cleared()
+        self.kv_events.publish()
+        return True
 
     def abort(self, request_id: str) -> bool:
         return self.outputs.abort(request_id)

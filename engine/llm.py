@@ -96,6 +96,11 @@ class LLM(FrontendSurface):
     def kv_cache_usage(self) -> dict[str, int]:
         return self.engine.kv_cache_usage()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (device pool and host tier), as vLLM's LLM.reset_prefix_cache;
+        False while a request holds blocks."""
+        return self.engine.reset_prefix_cache()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finals: dict[str, RequestOutput] = {}
         bar = None

@@ -224,6 +224,14 @@ class BlockPool:
             evicted.append(block_id)
         return evicted
 
+    def clear_cached(self) -> int:
+        """Free every evictable cached block without reporting it to ``on_evict``; returns how many."""
+        on_evict, self.on_evict = self.on_evict, None
+        try:
+            return len(self.evict(self.num_evictable))
+        finally:
+            self.on_evict = on_evict
+
     # ---- checks ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.index.check_integrity()

@@ -25,7 +25,7 @@ load scheduled this step: its bytes must survive until the load ran.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .hashing import BlockKey
@@ -54,6 +54,9 @@ class HostKVPool:
         self._swap: set[int] = set()
         self.num_inserts = 0
         self.num_evictions = 0
+        # Told when a block enters (key, parent_key, token_ids) or leaves (key) the host cache (KV events).
+        self.on_insert: Callable[[BlockKey, BlockKey | None, tuple[int, ...]], None] | None = None
+        self.on_remove: Callable[[BlockKey], None] | None = None
 
     @classmethod
     def from_bytes(cls, capacity_bytes: int, block_bytes: int) -> HostKVPool:
@@ -126,6 +129,8 @@ class HostKVPool:
         self._by_key[key] = slot
         self._lru[slot] = None
         self.num_inserts += 1
+        if self.on_insert is not None:
+            self.on_insert(key, parent_key, tuple(token_ids))
         return slot, True
 
     def discard(self, slot: int) -> None:
@@ -137,6 +142,19 @@ class HostKVPool:
         del self._by_key[e.key]
         del self._lru[slot]
         self._free.append(slot)
+        if self.on_remove is not None:
+            self.on_remove(e.key)
+
+    def clear_cached(self) -> int:
+        """Forget every unpinned cached slot (a prefix-cache reset; not reported to ``on_remove``)."""
+        on_remove, self.on_remove = self.on_remove, None
+        try:
+            slots = list(self._lru)
+            for slot in slots:
+                self.discard(slot)
+            return len(slots)
+        finally:
+            self.on_remove = on_remove
 
     def pin(self, slot: int) -> None:
         """Protect a cached slot from eviction (a load from it is pending)."""
@@ -162,6 +180,8 @@ class HostKVPool:
         e = self._entries.pop(slot)
         del self._by_key[e.key]
         self.num_evictions += 1
+        if self.on_remove is not None:
+            self.on_remove(e.key)
         return slot
 
     # ---- swap space ------------------------------------------------------------------------

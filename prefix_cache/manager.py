@@ -100,12 +100,28 @@ class BlockManager:
         self._protect_counts: Counter[int] = Counter()
         self._queries = 0
         self._hits = 0
-        self._listener: BlockListener | None = None
+        self._listeners: list[BlockListener] = []
 
-    def set_listener(self, listener: BlockListener | None) -> None:
-        """Report newly cached and evicted full blocks to ``listener`` (see BlockListener)."""
-        self._listener = listener
-        self._pool.on_evict = listener.block_evicted if listener is not None else None
+    def add_listener(self, listener: BlockListener) -> None:
+        """Also report newly cached and evicted full blocks to ``listener`` (see BlockListener), after
+        the listeners added before it (the KV tiers, KV events)."""
+        self._listeners.append(listener)
+        listeners = tuple(self._listeners)
+
+        def evicted(*block) -> None:
+            for each in listeners:
+                each.block_evicted(*block)
+
+        self._pool.on_evict = evicted
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache): only when no sequence holds a block,
+        so nothing in use loses its cache entry; returns whether it did. Cleared blocks go straight
+        to the free list: listeners are not told of each (they are not evictions to demote)."""
+        if self._pool.num_in_use:
+            return False
+        self._pool.clear_cached()
+        return True
 
     def namespace(self, cache_salt: str | None = None) -> bytes:
         """The hash namespace of blocks cached with this salt (encoded extra keys)."""
@@ -340,8 +356,8 @@ class BlockManager:
                 if b in index:
                     raise ValueError(f"block {b} is already cached with other tokens; token_ids changed?")
                 pool.register(b, key, parent, chunk, st.ns)
-                if self._listener is not None:
-                    self._listener.block_cached(b, key, parent_key, tuple(chunk), st.ns)
+                for listener in self._listeners:
+                    listener.block_cached(b, key, parent_key, tuple(chunk), st.ns)
             elif not index.confirm(existing, parent, chunk, st.ns):
                 # A real hash collision: never share it, never overwrite it; stop caching this seq.
                 st.chain_broken = True

@@ -249,7 +249,7 @@ class KVTiers:
         self._loaded_keys: set[BlockKey] = set()
         self._writes: list[PendingWrite] = []
         if self.enabled:  # with neither tier (the null object) block events cost nothing
-            blocks.set_listener(self)
+            blocks.add_listener(self)
 
     @property
     def enabled(self) -> bool:
