@@ -7,6 +7,9 @@ import dataclasses
 from engine.config import EngineConfig
 
 
+ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short forms
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Every EngineConfig field as a flag named like the LLM argument (--max-num-seqs ...)."""
     for f in dataclasses.fields(EngineConfig):
@@ -15,7 +18,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
             continue
         kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
-        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f"(default: {f.default})")
+        flags = [flag, *ALIASES.get(f.name, ())]
+        parser.add_argument(*flags, dest=f.name, type=kind, default=None, help=f"(default: {f.default})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -107,6 +107,7 @@ class AsyncEngine(FrontendSurface):
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        self.engine.stop_workers()  # tensor-parallel ranks (none with one rank)
 
     @property
     def is_running(self) -> bool:

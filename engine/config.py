@@ -47,6 +47,8 @@ class EngineConfig:
     kv_tier_policy: str = "auto"  # "auto": load vs recompute from measured costs; "always": load every hit
     # vLLM's KV events (engine/kv_events.py): a KVEventsConfig, its JSON text (the CLI flag) or a dict.
     kv_events_config: KVEventsConfig | str | dict | None = None
+    # Ranks (one process each) the model's heads, MLP and vocabulary are split across (engine/executor.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -91,3 +93,8 @@ class EngineConfig:
         if self.kv_tier_policy not in KV_TIER_POLICIES:
             bad(f"kv_tier_policy must be one of {KV_TIER_POLICIES}, got {self.kv_tier_policy!r}.")
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        if self.tensor_parallel_size < 1:
+            bad(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.tensor_parallel_size > 1 and self.kv_redis_url is not None:
+            # Rank 0 reads Redis for every rank: it would hand the others its own shard's KV.
+            bad("the Redis KV tier is not supported with tensor_parallel_size > 1 yet; use the host tier.")

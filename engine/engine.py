@@ -9,18 +9,22 @@ import logging
 import time
 
 import torch
+import torch.distributed as dist
 
 from engine.admission import PromptInput, effective_params, tokenize_prompt
 from engine.beam_search import BeamSearch
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidConfigError, InvalidRequestError
+from engine.executor import ParallelRunner, TensorParallelWorkers, init_group, threads_per_rank
 from engine.kv_budget import available_memory_bytes, default_cpu_kv_budget
 from engine.kv_events import KVEvents
 from engine.kv_tiers import build_kv_tiers, tier_stats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.config import ModelConfig, load_model_config
 from engine.models.loader import load_model
+from engine.models.parallel import SINGLE, TPGroup
+from engine.models.sharding import local_config
 from engine.models.resolve import model_fingerprint, resolve_model
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
@@ -48,7 +52,12 @@ class Engine:
         self.max_model_len = _max_model_len(config, self.model_config)
         self.tokenizer = _load_tokenizer(folder)
         self.detokenizer = Detokenizer(self.tokenizer)
-        model = load_model(folder, self.model_config, self.dtype, self.device)
+        # Tensor parallel: the other ranks start first and meet this one when it joins the group.
+        self.workers = TensorParallelWorkers.spawn(config, config.tensor_parallel_size) \
+            if config.tensor_parallel_size > 1 else None
+        tp = init_tp(config, self.workers, self.device)
+        model = load_model(folder, self.model_config, self.dtype, self.device, tp=tp)
+        shard_config = local_config(self.model_config, tp)  # this rank's heads and KV heads
         num_blocks = self._num_kv_blocks()
         fingerprint = model_fingerprint(folder)
         self.blocks = BlockManager(
@@ -56,18 +65,22 @@ class Engine:
             extra_keys=(fingerprint, config.dtype),
         )
         # Host-memory and Redis KV tiers (a KVTiers with neither when both are off).
-        self.tiers = build_kv_tiers(config, self.blocks, self.model_config, fingerprint)
+        self.tiers = build_kv_tiers(config, self.blocks, shard_config, fingerprint)
         # vLLM-format KV events for KV-aware routers (a null object unless --kv-events-config enables them).
         self.kv_events = KVEvents(config.kv_events_config, self.blocks, self.tiers.host)
         ops = get_ops(config.attention_backend, self.device, self.dtype)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
+        num_host_slots = self.tiers.host.num_slots if self.tiers.host else 0
+        if self.workers is not None:  # every rank sizes its pools alike
+            dist.broadcast_object_list([num_blocks, num_host_slots], src=0)
         self.runner = ModelRunner(
-            model, self.model_config, num_blocks, config.block_size, ops, self.device, self.dtype, config.seed,
-            structured=self.structured,
-            num_host_kv_slots=self.tiers.host.num_slots if self.tiers.host else 0,
+            model, shard_config, num_blocks, config.block_size, ops, self.device, self.dtype, config.seed,
+            structured=self.structured, num_host_kv_slots=num_host_slots,
         )
+        if self.workers is not None:
+            self.runner = ParallelRunner(self.runner, self.workers)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy), self.blocks,
             self.tiers, eos_token_ids=self.model_config.eos_token_ids, preemption_mode=config.preemption_mode,
@@ -170,10 +183,16 @@ class Engine:
         return self.tiers.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Flush queued Redis writes (up to ``timeout``), stop the tier's writer and the KV-event
-        publisher. Idempotent."""
+        """Flush queued Redis writes (up to ``timeout``), stop the tier's writer, the KV-event
+        publisher and the tensor-parallel workers. Idempotent."""
         self.tiers.close(timeout)
         self.kv_events.close()
+        self.stop_workers()
+
+    def stop_workers(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing with one rank). Idempotent."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block of the device pool and the host tier (not Redis: replicas share
@@ -265,6 +284,31 @@ class Engine:
         if num_blocks < 1:
             raise InvalidConfigError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes.")
         return int(num_blocks)
+
+
+def init_tp(config: EngineConfig, workers: TensorParallelWorkers | None, device: torch.device) -> TPGroup:
+    """Rank 0's place in the tensor-parallel group (a single rank without workers)."""
+    if workers is None:
+        return SINGLE
+    torch.set_num_threads(threads_per_rank(config.tensor_parallel_size))
+    return init_group(0, config.tensor_parallel_size, workers.port, device)
+
+
+def build_shard_runner(config: EngineConfig, rank: int, size: int, port: int) -> ModelRunner:
+    """A worker rank's runner (engine/executor.py): its shard of the model and of the KV pool, sized
+    as rank 0 sized its own."""
+    device = _resolve_device(config.device)
+    dtype = getattr(torch, config.dtype)
+    tp = init_group(rank, size, port, device)
+    folder = resolve_model(config.model)
+    model_config = load_model_config(folder)
+    model = load_model(folder, model_config, dtype, device, tp=tp)
+    box = [None, None]
+    dist.broadcast_object_list(box, src=0)
+    num_blocks, num_host_slots = box
+    ops = get_ops(config.attention_backend, device, dtype)
+    return ModelRunner(model, local_config(model_config, tp), num_blocks, config.block_size, ops, device, dtype,
+                       config.seed, num_host_kv_slots=num_host_slots)
 
 
 def _resolve_device(name: str) -> torch.device:

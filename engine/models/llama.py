@@ -13,6 +13,10 @@ head_dim]; each layer writes its new K/V into slots and reads all K/V through th
                 x = linear(attention(q), Wo, b);  h, res = add_rms_norm(x, res)
                 x = linear(silu_mul(linear(h, Wgu, b)), Wd, b)
     then:       out = add_rms_norm(x, res)
+
+Tensor parallel (engine/models/sharding.py): each rank holds its heads, its MLP rows and its vocab
+slice; the forward adds three collectives (``tp``): all_reduce after the vocab-parallel embedding and
+after each row-parallel linear (o_proj, down_proj), and all_gather of the vocab-parallel logits.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.models.parallel import SINGLE, TPGroup
 from kernels import KernelOps
 
 
@@ -102,9 +107,14 @@ class Backbone(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM: they differ only in config flags."""
 
-    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0) -> None:
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0,
+                 tp: TPGroup = SINGLE, vocab_size: int | None = None) -> None:
+        """``cfg`` is this rank's model (sharding.local_config); ``vocab_size`` the full vocabulary
+        when the embedding and LM head hold a vocab slice (tensor parallel)."""
         super().__init__()
         self.config = cfg
+        self.tp = tp
+        self.vocab_size = vocab_size or cfg.vocab_size
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -144,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         T, Hq, Hkv, D = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         nd = attn.num_decode_tokens
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        x = self._embed(input_ids)  # [T, hidden]
         cos, sin = self.rope(positions, x.dtype)  # [T, D/2] each
         residual = None  # x is the previous layer's MLP output, not yet added to the residual stream
         for i, w in enumerate(self._layers):
@@ -160,10 +170,20 @@ class LlamaForCausalLM(nn.Module):
                                                  attn.scale)  # [T, Hq, D]
             else:
                 out = self._mixed_attention(ops, q, k_cache, v_cache, attn)
-            x = ops.linear(out.reshape(T, Hq * D), w.o, w.o_bias)  # [T, hidden]
+            x = self.tp.all_reduce(ops.linear(out.reshape(T, Hq * D), w.o, w.o_bias))  # [T, hidden]
             h, residual = ops.add_rms_norm(x, residual, w.norm2, eps)
-            x = ops.linear(ops.silu_mul(ops.linear(h, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+            x = self.tp.all_reduce(ops.linear(ops.silu_mul(ops.linear(h, w.gate_up, w.gate_up_bias)), w.down,
+                                              w.down_bias))  # [T, hidden]
         return ops.add_rms_norm(x, residual, self.model.norm.weight, eps)[0]  # [T, hidden]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.tp.size == 1:
+            return self.model.embed_tokens(input_ids)
+        rows = self.config.vocab_size  # this rank's slice of the vocabulary
+        local = input_ids - self.tp.rank * rows
+        mine = (local >= 0) & (local < rows)
+        x = self.model.embed_tokens(local.clamp(0, rows - 1)) * mine[:, None].to(self.model.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(x)
 
     def _qk(self, ops: KernelOps, qkv: torch.Tensor, w: LayerWeights, T: int) -> torch.Tensor:
         """The q and k heads of a qkv projection, RMS-normalised per head where the model does (Qwen3),
@@ -190,4 +210,7 @@ class LlamaForCausalLM(nn.Module):
         return torch.cat((decode, prefill))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self._lm_head).float()  # [N, vocab]
+        logits = self.ops.linear(hidden, self._lm_head)  # [N, vocab or this rank's slice]
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last(logits)[:, : self.vocab_size]  # [N, vocab]
+        return logits.float()

@@ -9,19 +9,26 @@ from safetensors.torch import load_file
 from engine.errors import InvalidConfigError
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.models.parallel import SINGLE, TPGroup
 from engine.models.rope import rope_frequencies
+from engine.models.sharding import local_config, shard_state
 
 
-def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               tp: TPGroup = SINGLE) -> LlamaForCausalLM:
+    """The model, or with ``tp`` of several ranks this rank's shard of it (engine/models/sharding.py)."""
     folder = Path(folder)
     inv_freq, rope_scaling = rope_frequencies(folder)
+    full = cfg
+    cfg = local_config(full, tp)
     # Build on the meta device: no time spent on random init of weights we overwrite anyway.
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, torch.empty(cfg.head_dim // 2), rope_scaling)
+        model = LlamaForCausalLM(cfg, torch.empty(cfg.head_dim // 2), rope_scaling, tp=tp, vocab_size=full.vocab_size)
     state: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(path)))
-    state = fuse_projections(state, cfg.num_layers)
+    # Each rank reads the whole checkpoint, keeps its slices and drops the rest.
+    state = shard_state(fuse_projections(state, cfg.num_layers), full, tp)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}

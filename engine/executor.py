@@ -1,0 +1,129 @@
+"""Tensor parallelism across processes, as vLLM's multiprocessing executor does it.
+
+    rank 0 (the engine's process)          ranks 1 .. N-1 (spawned workers)
+    scheduler, block manager, sampler      no scheduler, no block manager
+    ModelRunner over its shard             ModelRunner over its shard
+    step: broadcast SchedulerOutput  --->  receive it, run the same execute()
+          run execute()                    (their samples are discarded)
+
+Every rank runs the very same ``execute`` on the same plain-data SchedulerOutput, so the
+collectives inside the forward (engine/models/parallel.py) line up by construction; only rank 0's
+outputs are used. Each rank holds its share of the weights and of the KV pool (its KV heads).
+torch.distributed over gloo on CPU (NCCL on CUDA), rendezvous through a TCPStore on 127.0.0.1.
+A worker that dies makes the next step raise EngineDeadError (checked before each broadcast; a
+collective that loses its peer fails within the group's timeout), never a hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import EngineDeadError
+from engine.models.parallel import TPGroup
+
+logger = logging.getLogger("prefixserve.tp")
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(size: int) -> int:
+    return max(1, len(os.sched_getaffinity(0)) // size)
+
+
+def init_group(rank: int, size: int, port: int, device: torch.device) -> TPGroup:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    return TPGroup(rank, size)
+
+
+def _worker_main(config, rank: int, size: int, port: int) -> None:
+    """A spawned rank: build its shard and runner as the engine does, then mirror rank 0's steps."""
+    from engine.engine import build_shard_runner
+
+    torch.set_num_threads(threads_per_rank(size))
+    runner = build_shard_runner(config, rank, size, port)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            break
+        runner.execute(box[0])
+    dist.destroy_process_group()
+
+
+@dataclasses.dataclass(eq=False)
+class TensorParallelWorkers:
+    """Ranks 1 .. size-1, spawned before rank 0 builds its shard (they meet it in init_group)."""
+
+    size: int
+    port: int
+    processes: list[mp.Process]
+
+    @classmethod
+    def spawn(cls, config, size: int) -> TensorParallelWorkers:
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        processes = [ctx.Process(target=_worker_main, args=(config, rank, size, port), daemon=True,
+                                 name=f"prefixserve-tp{rank}") for rank in range(1, size)]
+        for p in processes:
+            p.start()
+        return cls(size, port, processes)
+
+    def check_alive(self) -> None:
+        dead = [p for p in self.processes if not p.is_alive()]
+        if dead:
+            raise EngineDeadError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode}); "
+                                  "the engine cannot run steps any more.")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class ParallelRunner:
+    """Rank 0's runner: sends each step to the workers, then runs it on its own shard. Everything
+    else (kv_cache, kv_mover, model ...) is the wrapped ModelRunner's."""
+
+    def __init__(self, runner, workers: TensorParallelWorkers) -> None:
+        self._runner = runner
+        self._workers = workers
+        self._closed = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner, name)
+
+    def execute(self, batch):
+        self._workers.check_alive()
+        try:
+            dist.broadcast_object_list([batch], src=0)
+            return self._runner.execute(batch)
+        except RuntimeError as exc:  # a peer vanished mid-collective
+            self._workers.check_alive()
+            raise EngineDeadError(f"a tensor-parallel collective failed: {exc}") from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if all(p.is_alive() for p in self._workers.processes):
+            dist.broadcast_object_list([None], src=0)
+        self._workers.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
