@@ -49,6 +49,9 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | str | dict | None = None
     # Ranks (one process each) the model's heads, MLP and vocabulary are split across (engine/executor.py).
     tensor_parallel_size: int = 1
+    # Weights of a quantized GGUF: None/"auto" as QUANTIZATION_DEFAULT says, "gguf" kept quantized
+    # (int4 / int8 linears, engine/models/quantized.py), "none" dequantized to the model dtype.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -93,6 +96,8 @@ class EngineConfig:
         if self.kv_tier_policy not in KV_TIER_POLICIES:
             bad(f"kv_tier_policy must be one of {KV_TIER_POLICIES}, got {self.kv_tier_policy!r}.")
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        if self.quantization not in (None, "auto", "gguf", "none"):
+            bad(f"quantization must be one of 'auto', 'gguf', 'none', got {self.quantization!r}.")
         if self.tensor_parallel_size < 1:
             bad(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
         if self.tensor_parallel_size > 1 and self.kv_redis_url is not None:

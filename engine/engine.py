@@ -23,6 +23,7 @@ from engine.kv_tiers import build_kv_tiers, tier_stats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.config import ModelConfig, load_model_config
 from engine.models.loader import load_model
+from engine.models.quantized import weight_bytes
 from engine.models.parallel import SINGLE, TPGroup
 from engine.models.sharding import local_config
 from engine.models.resolve import model_fingerprint, resolve_model
@@ -37,6 +38,10 @@ from kernels import get_ops
 from prefix_cache import BlockManager
 
 logger = logging.getLogger("prefixserve")
+
+# What a quantized GGUF (the default model is one) runs as unless `quantization` says: "none"
+# dequantizes it to the model dtype; "gguf" keeps its linears int4 / int8 (engine/models/quantized.py).
+QUANTIZATION_DEFAULT = "none"
 
 __all__ = ["Engine", "PromptInput"]
 
@@ -56,7 +61,10 @@ class Engine:
         self.workers = TensorParallelWorkers.spawn(config, config.tensor_parallel_size) \
             if config.tensor_parallel_size > 1 else None
         tp = init_tp(config, self.workers, self.device)
-        model = load_model(folder, self.model_config, self.dtype, self.device, tp=tp)
+        model = load_model(folder, self.model_config, self.dtype, self.device, tp=tp,
+                           quantization=effective_quantization(config.quantization))
+        self.weight_bytes = weight_bytes(model)
+        self.quantization = "gguf" if model.quantized else "none"
         shard_config = local_config(self.model_config, tp)  # this rank's heads and KV heads
         num_blocks = self._num_kv_blocks()
         fingerprint = model_fingerprint(folder)
@@ -93,11 +101,12 @@ class Engine:
         self._arrivals = itertools.count()
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         logger.info(
-            "model %s (%s, %d layers, %d/%d heads) dtype=%s device=%s attention=%s; KV cache: %d blocks x %d tokens "
-            "= %d tokens, %.1f MiB; max_model_len=%d",
+            "model %s (%s, %d layers, %d/%d heads) dtype=%s device=%s attention=%s; weights %.1f MiB (%s); "
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len=%d",
             config.model, self.model_config.architecture, self.model_config.num_layers, self.model_config.num_heads,
-            self.model_config.num_kv_heads, config.dtype, self.device, ops.name, num_blocks, config.block_size,
-            num_blocks * config.block_size, kv_bytes / 2**20, self.max_model_len,
+            self.model_config.num_kv_heads, config.dtype, self.device, ops.name, self.weight_bytes / 2**20,
+            "quantized: int4/int8 from GGUF" if self.quantization == "gguf" else "dense", num_blocks,
+            config.block_size, num_blocks * config.block_size, kv_bytes / 2**20, self.max_model_len,
         )
         if self.tiers.enabled:
             logger.info(
@@ -286,6 +295,11 @@ class Engine:
         return int(num_blocks)
 
 
+def effective_quantization(setting: str | None) -> str:
+    """None / "auto": QUANTIZATION_DEFAULT (what a quantized GGUF runs as when nobody says)."""
+    return QUANTIZATION_DEFAULT if setting in (None, "auto") else setting
+
+
 def init_tp(config: EngineConfig, workers: TensorParallelWorkers | None, device: torch.device) -> TPGroup:
     """Rank 0's place in the tensor-parallel group (a single rank without workers)."""
     if workers is None:
@@ -302,7 +316,7 @@ def build_shard_runner(config: EngineConfig, rank: int, size: int, port: int) ->
     tp = init_group(rank, size, port, device)
     folder = resolve_model(config.model)
     model_config = load_model_config(folder)
-    model = load_model(folder, model_config, dtype, device, tp=tp)
+    model = load_model(folder, model_config, dtype, device, tp=tp, quantization=effective_quantization(config.quantization))
     box = [None, None]
     dist.broadcast_object_list(box, src=0)
     num_blocks, num_host_slots = box

@@ -37,6 +37,8 @@ class ModelInfo:
     num_kv_blocks: int
     kv_cache_bytes: int  # the KV pool's resident size (engine/kv_budget.py sizes it by default on CPU)
     max_num_seqs: int
+    weight_bytes: int = 0  # the model's weights as held in memory (quantized tables at their packed size)
+    quantization: str = "none"  # "gguf": linears kept int4 / int8 from a quantized GGUF
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -53,6 +55,7 @@ def model_info_of(engine: Engine) -> ModelInfo:
         block_size=engine.config.block_size, num_kv_blocks=engine.blocks.num_blocks,
         kv_cache_bytes=engine.runner.kv_cache.nbytes,
         max_num_seqs=engine.config.max_num_seqs,
+        weight_bytes=engine.weight_bytes, quantization=engine.quantization,
     )
 
 

@@ -30,6 +30,7 @@ from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.parallel import SINGLE, TPGroup
 from kernels import KernelOps
+from kernels.quant_linear import QuantizedWeight, quantized_logits, with_quantized_linear
 
 
 class RMSNorm(nn.Module):
@@ -131,12 +132,19 @@ class LlamaForCausalLM(nn.Module):
         every weight contiguous in one dtype, which is checked here, once. Linear weights are packed
         into the ops' own layout here too (ops.pack_weight; on CPU a second, blocked copy of each)."""
         self.requires_grad_(False)
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.model.norm.weight.dtype
+        if self.quantized:  # the same ops, with a linear that also takes QuantizedWeight
+            ops = with_quantized_linear(ops)
         if ops.name == "cpu" and any(p.dtype != dtype or not p.is_contiguous() for p in self.parameters()):
             raise ValueError("the cpu ops need every weight contiguous in the model dtype")
         self.ops = ops
         self._layers = tuple(LayerWeights.of(layer, ops.pack_weight) for layer in self.model.layers)
-        self._lm_head = ops.pack_weight(self.lm_head.weight.detach())  # a plain tensor, never a Parameter
+        head = self.lm_head.weight
+        self._lm_head = ops.pack_weight(head if self.quantized else head.detach())  # never a Parameter
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.lm_head.weight, QuantizedWeight)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32 once per step and shared by all layers (HF does the same math per layer).
@@ -210,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
         return torch.cat((decode, prefill))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized:  # an int8 table: refined in float32 where sampling looks
+            return quantized_logits(hidden, self._lm_head)  # [N, vocab]
         logits = self.ops.linear(hidden, self._lm_head)  # [N, vocab or this rank's slice]
         if self.tp.size > 1:
             logits = self.tp.all_gather_last(logits)[:, : self.vocab_size]  # [N, vocab]

@@ -11,12 +11,35 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.parallel import SINGLE, TPGroup
 from engine.models.rope import rope_frequencies
+from engine.models.gguf_weights import GGUFTensors, UnsupportedQuantizationError
+from engine.models.quantized import gguf_source, quantize_model
 from engine.models.sharding import local_config, shard_state
 
 
+QUANTIZATION_MODES = ("gguf", "none")
+
+
+def quantized_source(folder: str | Path, quantization: str | None):
+    """The GGUF tensors to serve quantized, or None to load the (dense) HF folder.
+
+    ``quantization``: "gguf" requires a quantized GGUF source; "none" always loads dense weights;
+    None (auto) serves a quantized GGUF quantized, as vLLM and llama.cpp do."""
+    if quantization == "none":
+        return None
+    source = gguf_source(folder)
+    tensors = GGUFTensors(source) if source is not None else None
+    if tensors is None or not tensors.is_quantized():
+        if quantization == "gguf":
+            raise UnsupportedQuantizationError(
+                f"quantization='gguf' needs a quantized GGUF model; {folder} has no quantized GGUF source.")
+        return None
+    return tensors
+
+
 def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               tp: TPGroup = SINGLE) -> LlamaForCausalLM:
-    """The model, or with ``tp`` of several ranks this rank's shard of it (engine/models/sharding.py)."""
+               tp: TPGroup = SINGLE, quantization: str | None = "none") -> LlamaForCausalLM:
+    """The model, or with ``tp`` of several ranks this rank's shard of it (engine/models/sharding.py);
+    with a quantized GGUF source (``quantized_source``) its linears and embedding stay quantized."""
     folder = Path(folder)
     inv_freq, rope_scaling = rope_frequencies(folder)
     full = cfg
@@ -24,6 +47,15 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
     # Build on the meta device: no time spent on random init of weights we overwrite anyway.
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, torch.empty(cfg.head_dim // 2), rope_scaling, tp=tp, vocab_size=full.vocab_size)
+    tensors = quantized_source(folder, quantization)
+    if tensors is not None:
+        if tp.size > 1 or device.type != "cpu":
+            raise UnsupportedQuantizationError(
+                "quantized GGUF weights run on one CPU process for now; pass quantization='none' for "
+                "tensor parallelism or CUDA.")
+        quantize_model(model, cfg, tensors, dtype)
+        model.inv_freq = inv_freq.to(device)
+        return model.eval()
     state: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(path)))

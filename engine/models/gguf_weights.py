@@ -1,0 +1,144 @@
+"""A GGUF file's tensors as our quantized layouts (kernels/quant_linear.py), one tensor at a time,
+read memory-mapped with the `gguf` package: no full-precision copy of the model ever exists.
+
+    Q4_0, Q4_1     -> int4, groups of 32, exactly (Q4_0: w = d (q - 8); Q4_1: w = d q + m)
+    Q4_K           -> int4, groups of 32, requantized from the dequantized tensor
+    Q5_K, Q6_K, Q8_0 -> int8 per output row, requantized from the dequantized tensor
+    F32, F16, BF16 -> dense (norms; small)
+Anything else fails at load with UnsupportedQuantizationError naming these.
+
+Row order: llama.cpp's converter permutes the rows of Llama's q and k projections (rotary pairs
+interleaved); ``unpermute_rows`` undoes it as transformers' GGUF loader does, so the weights match the
+HF folder converted from the same file.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import InvalidConfigError
+from kernels.quant_linear import (
+    QuantizedWeight, int4_from_groups, int4_groups_of_float, int8_from_channels, int8_from_float, int8_rows_of_float,
+)
+
+EXACT_INT4 = ("Q4_0", "Q4_1")
+REQUANT_INT4 = ("Q4_K",)
+REQUANT_INT8 = ("Q5_K", "Q6_K", "Q8_0")
+DENSE = ("F32", "F16", "BF16")
+SUPPORTED = EXACT_INT4 + REQUANT_INT4 + REQUANT_INT8
+
+
+class UnsupportedQuantizationError(InvalidConfigError):
+    """A GGUF tensor type (or a quantization setting) this server cannot run quantized."""
+
+
+class GGUFTensors:
+    """Name -> tensor view of one GGUF file (memory-mapped)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        self._reader = GGUFReader(str(path))
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        arch = self._reader.fields.get("general.architecture")
+        self.architecture = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def type_of(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
+
+    def is_quantized(self) -> bool:
+        return any(t.tensor_type.name not in DENSE for t in self._tensors.values())
+
+    def dense(self, name: str) -> torch.Tensor:
+        """A float tensor (any type, dequantized if it is quantized), in the HF shape."""
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        shape = tuple(int(s) for s in reversed(t.shape))
+        return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type)).reshape(shape)).float()
+
+    def quantized(self, name: str, rows: np.ndarray | None = None) -> QuantizedWeight:
+        """The 2-D weight ``name`` ([out, in]) in our layout; ``rows`` reorders its output rows."""
+        return pack(self.unpacked(name, rows))
+
+    def unpacked(self, name: str, rows: np.ndarray | None = None) -> tuple:
+        """("int4", q, scale, zero) or ("int8", q, scale) before packing: weights that share an input
+        (q, k, v) are stacked in this form, then packed once (the int4 pack tiles rows together)."""
+        t = self._tensors[name]
+        kind = t.tensor_type.name
+        if kind in EXACT_INT4:
+            return ("int4", *_exact_int4(np.asarray(t.data), kind, rows))
+        if kind not in SUPPORTED:
+            raise UnsupportedQuantizationError(
+                f"{self.path.name}: tensor {name} is {kind}; quantized serving supports {', '.join(SUPPORTED)} "
+                f"(and dense {', '.join(DENSE)}); pass quantization='none' to dequantize it instead.")
+        w = self.dense(name)
+        if rows is not None:
+            w = w[torch.from_numpy(rows)]
+        return ("int4", *int4_groups_of_float(w)) if kind in REQUANT_INT4 else ("int8", *int8_rows_of_float(w))
+
+
+def pack(parts: tuple) -> QuantizedWeight:
+    return int4_from_groups(*parts[1:], 32) if parts[0] == "int4" else int8_from_channels(*parts[1:])
+
+
+def stack(parts: list[tuple]) -> QuantizedWeight:
+    """One weight of several unpacked ones with the same input, rows in order."""
+    if any(p[0] != parts[0][0] for p in parts):  # mixed types in one group: all as int8 rows
+        parts = [p if p[0] == "int8" else ("int8", *int8_rows_of_float(_dense_int4(p))) for p in parts]
+    return pack((parts[0][0], *(torch.cat([p[i] for p in parts]) for i in range(1, len(parts[0])))))
+
+
+def _dense_int4(p: tuple) -> torch.Tensor:
+    _, q, scale, zero = p
+    n, k = q.shape
+    return ((q.float().reshape(n, -1, 32) - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
+
+
+def _exact_int4(data: np.ndarray, kind: str, rows: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    block = 18 if kind == "Q4_0" else 20
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, block)  # [N, K/32, bytes]
+    if rows is not None:
+        blocks = blocks[rows]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    qs = blocks[..., block - 16:]  # [N, K/32, 16]: byte j holds weights j (low nibble) and j + 16 (high)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)  # [N, K]
+    if kind == "Q4_0":
+        zero = np.zeros_like(d)
+    else:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d  # d q + m = d (q - 8) + (m + 8 d)
+    return torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's q/k permutation (transformers' reverse_permute_weights)."""
+    dim = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(n_rows)
+
+
+def quantized_embedding_weight(tensors: GGUFTensors, name: str) -> QuantizedWeight:
+    """The token embedding (and tied LM head) as int8 rows: one scale per token, gathered by lookup."""
+    t = tensors.type_of(name)
+    if t in DENSE or t in SUPPORTED:
+        return int8_from_float(tensors.dense(name)) if t != "Q8_0" else _q8_0_rows(tensors, name)
+    raise UnsupportedQuantizationError(f"{tensors.path.name}: {name} is {t}; supported: {', '.join(SUPPORTED)}.")
+
+
+def _q8_0_rows(tensors: GGUFTensors, name: str) -> QuantizedWeight:
+    """Q8_0 (a scale per 32 values) to one scale per row without a float copy of the whole table."""
+    data = np.asarray(tensors._tensors[name].data)
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    q = blocks[..., 2:].view(np.int8).astype(np.float32)  # [N, K/32, 32]
+    row_scale = np.maximum((np.abs(q).max(-1) * d).max(-1) / 127, 1e-12)  # [N]
+    requant = np.clip(np.rint(q * (d / row_scale[:, None])[..., None]), -127, 127).astype(np.int8).reshape(n, -1)
+    return int8_from_channels(torch.from_numpy(requant), torch.from_numpy(row_scale.astype(np.float32)))
