@@ -49,8 +49,9 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | str | dict | None = None
     # Ranks (one process each) the model's heads, MLP and vocabulary are split across (engine/executor.py).
     tensor_parallel_size: int = 1
-    # Weights of a quantized GGUF: None/"auto" as QUANTIZATION_DEFAULT says, "gguf" kept quantized
-    # (int4 / int8 linears, engine/models/quantized.py), "none" dequantized to the model dtype.
+    # Weights of a quantized GGUF: "gguf" kept quantized (int4 / int8 linears, engine/models/quantized.py),
+    # "none" dequantized to the model dtype; None / "auto": quantized when the model names a quantized
+    # GGUF (a .gguf file or a builtin name such as the default model), as vLLM and llama.cpp do.
     quantization: str | None = None
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ from engine.models.loader import load_model
 from engine.models.quantized import weight_bytes
 from engine.models.parallel import SINGLE, TPGroup
 from engine.models.sharding import local_config
-from engine.models.resolve import model_fingerprint, resolve_model
+from engine.models.resolve import model_fingerprint, names_gguf, resolve_model
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -39,9 +39,6 @@ from prefix_cache import BlockManager
 
 logger = logging.getLogger("prefixserve")
 
-# What a quantized GGUF (the default model is one) runs as unless `quantization` says: "none"
-# dequantizes it to the model dtype; "gguf" keeps its linears int4 / int8 (engine/models/quantized.py).
-QUANTIZATION_DEFAULT = "none"
 
 __all__ = ["Engine", "PromptInput"]
 
@@ -62,7 +59,7 @@ class Engine:
             if config.tensor_parallel_size > 1 else None
         tp = init_tp(config, self.workers, self.device)
         model = load_model(folder, self.model_config, self.dtype, self.device, tp=tp,
-                           quantization=effective_quantization(config.quantization))
+                           quantization=effective_quantization(config.quantization, config.model))
         self.weight_bytes = weight_bytes(model)
         self.quantization = "gguf" if model.quantized else "none"
         shard_config = local_config(self.model_config, tp)  # this rank's heads and KV heads
@@ -295,9 +292,13 @@ class Engine:
         return int(num_blocks)
 
 
-def effective_quantization(setting: str | None) -> str:
-    """None / "auto": QUANTIZATION_DEFAULT (what a quantized GGUF runs as when nobody says)."""
-    return QUANTIZATION_DEFAULT if setting in (None, "auto") else setting
+def effective_quantization(setting: str | None, model: str) -> str | None:
+    """What the loader is asked for. None / "auto": a quantized GGUF checkpoint (a .gguf file or a
+    builtin name, the default model included) runs quantized, as in vLLM and llama.cpp; an HF
+    folder runs as its weights are (so does the folder a GGUF was converted into, given by path)."""
+    if setting not in (None, "auto"):
+        return setting
+    return None if names_gguf(model) else "none"
 
 
 def init_tp(config: EngineConfig, workers: TensorParallelWorkers | None, device: torch.device) -> TPGroup:
@@ -316,7 +317,7 @@ def build_shard_runner(config: EngineConfig, rank: int, size: int, port: int) ->
     tp = init_group(rank, size, port, device)
     folder = resolve_model(config.model)
     model_config = load_model_config(folder)
-    model = load_model(folder, model_config, dtype, device, tp=tp, quantization=effective_quantization(config.quantization))
+    model = load_model(folder, model_config, dtype, device, tp=tp, quantization=effective_quantization(config.quantization, config.model))
     box = [None, None]
     dist.broadcast_object_list(box, src=0)
     num_blocks, num_host_slots = box

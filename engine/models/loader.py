@@ -48,11 +48,13 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, torch.empty(cfg.head_dim // 2), rope_scaling, tp=tp, vocab_size=full.vocab_size)
     tensors = quantized_source(folder, quantization)
-    if tensors is not None:
-        if tp.size > 1 or device.type != "cpu":
+    if tensors is not None and (tp.size > 1 or device.type != "cpu"):
+        if quantization == "gguf":
             raise UnsupportedQuantizationError(
                 "quantized GGUF weights run on one CPU process for now; pass quantization='none' for "
                 "tensor parallelism or CUDA.")
+        tensors = None  # auto: dense weights where the quantized kernels do not run
+    if tensors is not None:
         quantize_model(model, cfg, tensors, dtype)
         model.inv_freq = inv_freq.to(device)
         return model.eval()

@@ -456,6 +456,12 @@ def _fix_tokenizer_files(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
 # public API
 
 
+def names_gguf(model: str | os.PathLike[str]) -> bool:
+    """Whether ``model`` is a GGUF checkpoint (a .gguf file or a builtin name, which are GGUFs), as
+    opposed to a Hugging Face folder (the folder a GGUF was converted into is one too)."""
+    return str(model) in BUILTIN_MODELS or str(model).lower().endswith(".gguf")
+
+
 def resolve_model(model: str | os.PathLike[str]) -> pathlib.Path:
     """Resolve ``model`` to a local Hugging Face format folder (config.json, *.safetensors, tokenizer).
 
