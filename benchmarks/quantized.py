@@ -1,0 +1,137 @@
+"""Quantized weights served quantized (issue 19): the default model's Q4_1 GGUF run as int4 / int8
+(quantization="gguf") against the same file dequantized to float32 (quantization="none") and
+against llama.cpp's server on the same GGUF (the anchor; benchmarks/peers/install_llama_cpp.sh).
+
+    weight memory      ModelInfo.weight_bytes, quantized vs dequantized
+    decode tokens/s    single stream and a batch of 8, 128-token prompts, 64 greedy tokens each,
+                       decode only (the 1-token run's time subtracted; llama.cpp: its own timings)
+    accuracy           mean log-likelihood per token of a fixed held-out text (prompt logprobs),
+                       quantized vs dequantized float32
+
+    PYTHONPATH=. .venv/bin/python benchmarks/quantized.py
+
+Run on a quiet machine. Prints one summary line; writes results/quantized.json + .png.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks._common import bar_plot, write_json
+from engine import LLM, SamplingParams
+from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf
+
+LLAMA_SERVER = Path(__file__).resolve().parent / ".peers" / "llama.cpp" / "build" / "bin" / "llama-server"
+TOKENS = 64
+HELD_OUT = (
+    "The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only "
+    "visitors were gulls and the men who brought oil and bread once a fortnight. The keeper kept a "
+    "log of every ship that passed, the state of the weather at each watch, and the hours the lamp "
+    "burned. In winter the storms came from the north-west and the spray reached the gallery more "
+    "than a hundred feet above the sea. He did not mind the storms; what he minded was the fog, "
+    "which came without warning in the spring and lay on the water for days, so that he had to "
+    "sound the horn every two minutes and could not sleep. When the relief keeper arrived in May "
+    "he found the log complete to the last entry, written in a steady hand, and a pot of coffee "
+    "still warm on the stove."
+)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[1000 + 13 * i + j for j in range(128)] for i in range(n)]
+
+
+def decode_rate(llm: LLM, batch: int) -> float:
+    """Generated tokens per second of decode steps alone (a 1-token run's time subtracted)."""
+    ps = [{"prompt_token_ids": p} for p in prompts(batch)]
+    llm.generate(ps, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm; prompts cached after
+    best = 0.0
+    for _ in range(2):
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate(ps, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        first = time.perf_counter() - start
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate(ps, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False)
+        full = time.perf_counter() - start
+        best = max(best, batch * (TOKENS - 1) / (full - first))
+    return best
+
+
+def mean_loglik(llm: LLM) -> float:
+    ids = llm.get_tokenizer()(HELD_OUT).input_ids
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    scores = [lp[tok].logprob for lp, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+    return sum(scores) / len(scores)
+
+
+def llama_cpp(gguf: Path) -> dict | None:
+    if not LLAMA_SERVER.exists():
+        return None
+    port = 18700
+    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(gguf), "--port", str(port), "-c", "4096", "-np", "8",
+                             "-cb", "-t", str(len(os.sched_getaffinity(0))), "--no-warmup"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+        def one(p: list[int]) -> dict:
+            r = httpx.post(f"{base}/completion", json={"prompt": p, "n_predict": TOKENS, "temperature": 0,
+                                                       "cache_prompt": False, "ignore_eos": True}, timeout=300)
+            return r.json()["timings"]
+
+        one(prompts(1)[0])  # warm
+        single = max(one(prompts(1)[0])["predicted_per_second"] for _ in range(2))
+        batch = 0.0
+        for _ in range(2):
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                timings = list(pool.map(one, prompts(8)))
+            batch = max(batch, sum(t["predicted_n"] for t in timings) / max(t["predicted_ms"] for t in timings) * 1e3)
+        return {"single_stream_tok_s": single, "batch8_tok_s": batch}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    gguf = _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL])
+    results: dict[str, dict] = {}
+    for name, quantization in (("prefixserve int4", "gguf"), ("prefixserve dequantized fp32", "none")):
+        llm = LLM(model=DEFAULT_MODEL, quantization=quantization, num_kv_blocks=512)
+        results[name] = {"weight_bytes": llm.model_info.weight_bytes, "mean_loglik": mean_loglik(llm),
+                         "single_stream_tok_s": decode_rate(llm, 1), "batch8_tok_s": decode_rate(llm, 8)}
+        del llm
+    peer = llama_cpp(gguf)
+    if peer is not None:
+        results["llama.cpp server"] = peer
+    write_json("quantized", {"model": gguf.name, "results": results,
+                             "note": "llama.cpp's log-likelihood is not measured (its server scores no prompt)"})
+    names = list(results)
+    bar_plot("quantized", f"{gguf.name}: decode tokens/s", ["single stream", "batch 8"],
+             {n: [results[n]["single_stream_tok_s"], results[n]["batch8_tok_s"]] for n in names}, "tokens/s")
+    q, d = results["prefixserve int4"], results["prefixserve dequantized fp32"]
+    line = (f"quantized: weights {q['weight_bytes'] / 2**20:.1f} vs {d['weight_bytes'] / 2**20:.1f} MiB "
+            f"({d['weight_bytes'] / q['weight_bytes']:.1f}x less); decode single {q['single_stream_tok_s']:.1f} vs "
+            f"{d['single_stream_tok_s']:.1f} tok/s, batch 8 {q['batch8_tok_s']:.1f} vs {d['batch8_tok_s']:.1f}; "
+            f"mean loglik {q['mean_loglik']:.4f} vs {d['mean_loglik']:.4f}")
+    if peer is not None:
+        line += (f"; llama.cpp single {peer['single_stream_tok_s']:.1f}, batch 8 {peer['batch8_tok_s']:.1f} tok/s "
+                 f"(ours {q['single_stream_tok_s'] / peer['single_stream_tok_s']:.2f}x, "
+                 f"{q['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x)")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
