@@ -130,18 +130,20 @@ def test_load_aware_policy_routes_away_from_a_busy_worker(tiny_path, tmp_path):
                 httpx.post(f"{busy}/v1/completions", json={"model": "tiny", "prompt": "busy " * 20, "n": 8,
                                                            "max_tokens": 400, "ignore_eos": True}, timeout=120)
 
-        threads = [threading.Thread(target=keep_busy) for _ in range(2)]
+        threads = [threading.Thread(target=keep_busy) for _ in range(4)]
         for t in threads:
             t.start()
         try:
-            assert wait_until(lambda: _gauge(busy, "num_requests_running") >= 2, 30)
-            time.sleep(2.5)  # the gateway polls /loads every second
+            assert wait_until(lambda: _gauge(busy, "num_requests_running") + _gauge(busy, "num_requests_waiting") >= 4,
+                              30)
+            time.sleep(3)  # the gateway polls /loads every second
             before = _finished(idle)
-            for i in range(10):
+            for i in range(20):
                 _complete(base, f"Routed request {i}")
             routed_to_idle = _finished(idle) - before
         finally:
             stop.set()
             for t in threads:
                 t.join(120)
-        assert routed_to_idle >= 9, routed_to_idle
+        # Blind (no /loads) it splits about evenly (measured 7 of 10); 16 of 20 happens by chance < 1%.
+        assert routed_to_idle >= 16, routed_to_idle
