@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks._common import bar_plot, write_json
+from benchmarks.serve import wait_healthy
 from engine import LLM, SamplingParams
 from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf
 
@@ -79,13 +80,7 @@ def llama_cpp(gguf: Path) -> dict | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(120):
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(base, proc, 60)
 
         def one(p: list[int]) -> dict:
             r = httpx.post(f"{base}/completion", json={"prompt": p, "n_predict": TOKENS, "temperature": 0,
