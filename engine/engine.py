@@ -55,7 +55,7 @@ class Engine:
         self.tokenizer = _load_tokenizer(folder)
         self.detokenizer = Detokenizer(self.tokenizer)
         # Tensor parallel: the other ranks start first and meet this one when it joins the group.
-        self.workers = TensorParallelWorkers.spawn(config, config.tensor_parallel_size) \
+        self.workers = TensorParallelWorkers.spawn(config, config.tensor_parallel_size, str(self.device)) \
             if config.tensor_parallel_size > 1 else None
         tp = init_tp(config, self.workers, self.device)
         model = load_model(folder, self.model_config, self.dtype, self.device, tp=tp,
@@ -307,23 +307,6 @@ def init_tp(config: EngineConfig, workers: TensorParallelWorkers | None, device:
         return SINGLE
     torch.set_num_threads(threads_per_rank(config.tensor_parallel_size))
     return init_group(0, config.tensor_parallel_size, workers.port, device)
-
-
-def build_shard_runner(config: EngineConfig, rank: int, size: int, port: int) -> ModelRunner:
-    """A worker rank's runner (engine/executor.py): its shard of the model and of the KV pool, sized
-    as rank 0 sized its own."""
-    device = _resolve_device(config.device)
-    dtype = getattr(torch, config.dtype)
-    tp = init_group(rank, size, port, device)
-    folder = resolve_model(config.model)
-    model_config = load_model_config(folder)
-    model = load_model(folder, model_config, dtype, device, tp=tp, quantization=effective_quantization(config.quantization, config.model))
-    box = [None, None]
-    dist.broadcast_object_list(box, src=0)
-    num_blocks, num_host_slots = box
-    ops = get_ops(config.attention_backend, device, dtype)
-    return ModelRunner(model, local_config(model_config, tp), num_blocks, config.block_size, ops, device, dtype,
-                       config.seed, num_host_kv_slots=num_host_slots)
 
 
 def _resolve_device(name: str) -> torch.device:

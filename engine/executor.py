@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import EngineDeadError
+from engine.model_runner import ModelRunner
+from engine.models.config import load_model_config
+from engine.models.loader import load_model
 from engine.models.parallel import TPGroup
+from engine.models.resolve import resolve_model
+from engine.models.sharding import local_config
+from kernels import get_ops
 
 logger = logging.getLogger("prefixserve.tp")
 
@@ -50,12 +56,27 @@ def init_group(rank: int, size: int, port: int, device: torch.device) -> TPGroup
     return TPGroup(rank, size)
 
 
-def _worker_main(config, rank: int, size: int, port: int) -> None:
-    """A spawned rank: build its shard and runner as the engine does, then mirror rank 0's steps."""
-    from engine.engine import build_shard_runner
+def build_shard_runner(config, rank: int, size: int, port: int, device: torch.device) -> ModelRunner:
+    """A worker rank's runner: its shard of the model and of the KV pool, sized as rank 0 sized its
+    own (it broadcasts the pool sizes once it has them)."""
+    dtype = getattr(torch, config.dtype)
+    tp = init_group(rank, size, port, device)
+    folder = resolve_model(config.model)
+    model_config = load_model_config(folder)
+    # Dense: quantized weights run in one process (EngineConfig refuses 'gguf' with several ranks).
+    model = load_model(folder, model_config, dtype, device, tp=tp, quantization="none")
+    box = [None, None]
+    dist.broadcast_object_list(box, src=0)
+    num_blocks, num_host_slots = box
+    ops = get_ops(config.attention_backend, device, dtype)
+    return ModelRunner(model, local_config(model_config, tp), num_blocks, config.block_size, ops, device, dtype,
+                       config.seed, num_host_kv_slots=num_host_slots)
 
+
+def _worker_main(config, rank: int, size: int, port: int, device: str) -> None:
+    """A spawned rank: build its shard and runner as the engine does, then mirror rank 0's steps."""
     torch.set_num_threads(threads_per_rank(size))
-    runner = build_shard_runner(config, rank, size, port)
+    runner = build_shard_runner(config, rank, size, port, torch.device(device))
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -74,10 +95,10 @@ class TensorParallelWorkers:
     processes: list[mp.Process]
 
     @classmethod
-    def spawn(cls, config, size: int) -> TensorParallelWorkers:
+    def spawn(cls, config, size: int, device: str) -> TensorParallelWorkers:
         port = _free_port()
         ctx = mp.get_context("spawn")
-        processes = [ctx.Process(target=_worker_main, args=(config, rank, size, port), daemon=True,
+        processes = [ctx.Process(target=_worker_main, args=(config, rank, size, port, device), daemon=True,
                                  name=f"prefixserve-tp{rank}") for rank in range(1, size)]
         for p in processes:
             p.start()
