@@ -103,6 +103,4 @@ class EngineConfig:
             bad(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
         if self.tensor_parallel_size > 1 and self.quantization == "gguf":
             bad("quantized GGUF weights run in one process for now: quantization='gguf' needs tensor_parallel_size=1.")
-        if self.tensor_parallel_size > 1 and self.kv_redis_url is not None:
-            # Rank 0 reads Redis for every rank: it would hand the others its own shard's KV.
-            bad("the Redis KV tier is not supported with tensor_parallel_size > 1 yet; use the host tier.")
+

@@ -70,7 +70,7 @@ class Engine:
             extra_keys=(fingerprint, config.dtype),
         )
         # Host-memory and Redis KV tiers (a KVTiers with neither when both are off).
-        self.tiers = build_kv_tiers(config, self.blocks, shard_config, fingerprint)
+        self.tiers = build_kv_tiers(config, self.blocks, self.model_config, fingerprint)
         # vLLM-format KV events for KV-aware routers (a null object unless --kv-events-config enables them).
         self.kv_events = KVEvents(config.kv_events_config, self.blocks, self.tiers.host)
         ops = get_ops(config.attention_backend, self.device, self.dtype)
@@ -82,14 +82,15 @@ class Engine:
             dist.broadcast_object_list([num_blocks, num_host_slots], src=0)
         self.runner = ModelRunner(
             model, shard_config, num_blocks, config.block_size, ops, self.device, self.dtype, config.seed,
-            structured=self.structured, num_host_kv_slots=num_host_slots,
+            structured=self.structured, num_host_kv_slots=num_host_slots, kv_heads=(0, shard_config.num_kv_heads),
+            total_kv_heads=self.model_config.num_kv_heads,
         )
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy), self.blocks,
             self.tiers, eos_token_ids=self.model_config.eos_token_ids, preemption_mode=config.preemption_mode,
-            read_kv_blocks=self.runner.kv_mover.read_blocks,
+            read_kv_blocks=self.runner.read_blocks if self.workers else self.runner.kv_mover.read_blocks,
         )
         self.outputs = OutputProcessor(
             self.scheduler, self.detokenizer, self.structured, tuple(self.model_config.eos_token_ids),

@@ -69,8 +69,28 @@ def build_shard_runner(config, rank: int, size: int, port: int, device: torch.de
     dist.broadcast_object_list(box, src=0)
     num_blocks, num_host_slots = box
     ops = get_ops(config.attention_backend, device, dtype)
-    return ModelRunner(model, local_config(model_config, tp), num_blocks, config.block_size, ops, device, dtype,
-                       config.seed, num_host_kv_slots=num_host_slots)
+    shard = local_config(model_config, tp)
+    return ModelRunner(model, shard, num_blocks, config.block_size, ops, device, dtype, config.seed,
+                       num_host_kv_slots=num_host_slots, kv_heads=(rank * shard.num_kv_heads, shard.num_kv_heads),
+                       total_kv_heads=model_config.num_kv_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadBlocks:
+    """Rank 0 asks every rank for the KV of these blocks (Redis write-through): each sends its heads."""
+
+    block_ids: tuple[int, ...]
+
+
+def read_shards(runner, block_ids) -> torch.Tensor | None:
+    """Gather every rank's heads of ``block_ids`` at rank 0: [n, L, 2, BS, Hkv (all), D] there."""
+    local = runner.kv_mover.read_tensor(block_ids)  # [n, L, 2, BS, this rank's Hkv, D]
+    if dist.get_rank() != 0:
+        dist.gather(local, None, dst=0)
+        return None
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.gather(local, parts, dst=0)
+    return torch.cat(parts, dim=4)
 
 
 def _worker_main(config, rank: int, size: int, port: int, device: str) -> None:
@@ -82,7 +102,10 @@ def _worker_main(config, rank: int, size: int, port: int, device: str) -> None:
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             break
-        runner.execute(box[0])
+        if isinstance(box[0], ReadBlocks):
+            read_shards(runner, box[0].block_ids)
+        else:
+            runner.execute(box[0])
     dist.destroy_process_group()
 
 
@@ -118,6 +141,15 @@ class TensorParallelWorkers:
                 p.join()
 
 
+def _picklable(batch):
+    """Remote payloads are memoryviews into Redis replies: bytes travel to the other ranks."""
+    transfers = batch.transfers
+    if not transfers.remote_to_device:
+        return batch
+    payloads = tuple((block, bytes(payload)) for block, payload in transfers.remote_to_device)
+    return dataclasses.replace(batch, transfers=dataclasses.replace(transfers, remote_to_device=payloads))
+
+
 class ParallelRunner:
     """Rank 0's runner: sends each step to the workers, then runs it on its own shard. Everything
     else (kv_cache, kv_mover, model ...) is the wrapped ModelRunner's."""
@@ -133,11 +165,20 @@ class ParallelRunner:
     def execute(self, batch):
         self._workers.check_alive()
         try:
-            dist.broadcast_object_list([batch], src=0)
+            dist.broadcast_object_list([_picklable(batch)], src=0)
             return self._runner.execute(batch)
         except RuntimeError as exc:  # a peer vanished mid-collective
             self._workers.check_alive()
             raise EngineDeadError(f"a tensor-parallel collective failed: {exc}") from exc
+
+    def read_blocks(self, block_ids) -> list[memoryview]:
+        """Whole blocks (every rank's heads) for the Redis tier's write-through."""
+        if not block_ids:
+            return []
+        self._workers.check_alive()
+        dist.broadcast_object_list([ReadBlocks(tuple(block_ids))], src=0)
+        raw = read_shards(self._runner, block_ids).view(torch.uint8).numpy()
+        return [memoryview(raw[i]).cast("B") for i in range(len(block_ids))]
 
     def close(self) -> None:
         if self._closed:

@@ -31,7 +31,8 @@ def build_kv_tiers(
         return KVTiers(blocks)  # the null object: no tier, no listener, nothing to move
     from prefix_cache.redis_store import layout_namespace  # redis-free helper, but lives with the store
 
-    # One process drives one device (no tensor parallelism yet): rank 0 of 1.
+    # Values hold whole blocks (every tensor-parallel rank's heads, gathered by rank 0), so replicas of
+    # any tensor-parallel size share them: the layout of one process, rank 0 of 1.
     namespace = layout_namespace(config.kv_redis_key_prefix, fingerprint, config.dtype, config.block_size, 0, 1)
     layout = KVLayout(namespace, config.dtype, block_shape(model_config, config.block_size))
     host = None
@@ -73,13 +74,20 @@ def tier_stats(tiers: KVTiers) -> dict[str, int | float]:
 
 class KVMover:
     """Performs KVTransfers on the KV pool ``kv_cache`` [L, 2, NB, BS, Hkv, D]; owns the host slots
-    ``host`` [num_slots, L, 2, BS, Hkv, D] (pinned when the pool is on a GPU)."""
+    ``host`` [num_slots, L, 2, BS, Hkv, D] (pinned when the pool is on a GPU).
 
-    def __init__(self, kv_cache: torch.Tensor, num_host_slots: int) -> None:
+    Under tensor parallelism the pool holds this rank's KV heads ``heads`` = (first, count) of
+    ``total_heads``; remote payloads are whole blocks (every rank's heads, the layout of one
+    process), of which it keeps its own heads."""
+
+    def __init__(self, kv_cache: torch.Tensor, num_host_slots: int, heads: tuple[int, int] | None = None,
+                 total_heads: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         L, two, _, bs, hkv, d = kv_cache.shape
         self.block_shape = (L, two, bs, hkv, d)
+        self.heads = heads
+        self.remote_block_shape = (L, two, bs, total_heads or hkv, d)
         self.host: torch.Tensor | None = None
         if num_host_slots:
             # empty, not zeros: untouched pages cost no memory until a block lands there
@@ -118,13 +126,23 @@ class KVMover:
         with warnings.catch_warnings():  # a read-only buffer: we only read it
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(payload, dtype=torch.uint8)
-        return raw.view(self.kv_cache.dtype).view(self.block_shape)  # [L, 2, BS, Hkv, D]
+        block = raw.view(self.kv_cache.dtype).view(self.remote_block_shape)  # [L, 2, BS, Hkv (all ranks), D]
+        if self.heads is None:
+            return block
+        first, count = self.heads
+        return block[:, :, :, first:first + count]  # [L, 2, BS, this rank's Hkv, D]
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
         """Raw bytes of each block (C order [L, 2, BS, Hkv, D]), copied out of the pool now."""
         if not block_ids:
             return []
+        raw = self.read_tensor(block_ids).view(torch.uint8).numpy()  # uint8: numpy has no bfloat16
+        return [memoryview(raw[i]).cast("B") for i in range(len(block_ids))]
+
+    @torch.inference_mode()
+    def read_tensor(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks' KV [n, L, 2, BS, Hkv, D] (this rank's heads), a host copy."""
         cuda = self.device.type == "cuda"
         out = torch.empty(  # [n, L, 2, BS, Hkv, D]
             len(block_ids), *self.block_shape, dtype=self.kv_cache.dtype, pin_memory=cuda
@@ -132,5 +150,4 @@ class KVMover:
         for i, block in enumerate(block_ids):  # one strided copy per block, straight into place
             out[i].copy_(self.kv_cache[:, :, block], non_blocking=cuda)
         self._sync()
-        raw = out.view(torch.uint8).numpy()  # uint8: numpy has no bfloat16
-        return [memoryview(raw[i]).cast("B") for i in range(len(block_ids))]
+        return out

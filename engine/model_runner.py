@@ -70,7 +70,10 @@ class ModelRunner:
         seed: int,
         structured: StructuredOutputManager | None = None,
         num_host_kv_slots: int = 0,
+        kv_heads: tuple[int, int] | None = None,
+        total_kv_heads: int | None = None,
     ) -> None:
+        """``kv_heads`` (first, count) of ``total_kv_heads``: this tensor-parallel rank's KV heads."""
         self.model, self.cfg, self.ops = model, model_config, ops
         self.structured = structured  # grammar masks of structured-output sequences (owned by the engine)
         self.block_size, self.device, self.dtype = block_size, device, dtype
@@ -78,7 +81,7 @@ class ModelRunner:
         self.kv_cache = zeroed_pool(  # [L, 2, NB, BS, Hkv, D]
             (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype, device
         )
-        self.kv_mover = KVMover(self.kv_cache, num_host_kv_slots)  # host slots + tier transfers
+        self.kv_mover = KVMover(self.kv_cache, num_host_kv_slots, kv_heads, total_kv_heads)  # tier transfers
         self.scale = cfg.head_dim ** -0.5
         model.bind_ops(ops)  # the backend's ops, bound once: the one forward calls only these
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))

@@ -101,8 +101,36 @@ def test_heads_that_do_not_divide_fail_clearly(tiny_gqa):
         local_config(cfg, TPGroup(0, 4))
     with pytest.raises(InvalidConfigError, match="tensor_parallel_size must be at least 1"):
         LLM(model=str(tiny_gqa), tensor_parallel_size=0)
-    with pytest.raises(InvalidConfigError, match="Redis"):
-        LLM(model=str(tiny_gqa), tensor_parallel_size=2, kv_redis_url="redis://127.0.0.1:6379/0")
+    with pytest.raises(InvalidConfigError, match="quantization='gguf'"):
+        LLM(model=str(tiny_gqa), tensor_parallel_size=2, quantization="gguf")
+
+
+def test_redis_tier_is_shared_across_tensor_parallel_sizes(tiny_gqa):
+    """Values hold whole blocks (rank 0 gathers every rank's heads): what TP=2 wrote, TP=1 and another
+    TP=2 engine read, and every engine gives the same tokens as one without Redis."""
+    from fixtures.redis_servers import SHARED_URL, delete_prefix, unique_prefix
+
+    prefix = unique_prefix()
+    redis = dict(kv_redis_url=SHARED_URL, kv_redis_key_prefix=prefix, kv_tier_policy="always")
+    prompts = [{"prompt_token_ids": list(range(300 + 50 * i, 300 + 50 * i + 41))} for i in range(2)]
+    expected = _tokens(LLM(model=str(tiny_gqa), num_kv_blocks=64).generate(prompts, GREEDY, use_tqdm=False))
+    try:
+        writer = LLM(model=str(tiny_gqa), tensor_parallel_size=2, num_kv_blocks=64, **redis)
+        try:
+            assert _tokens(writer.generate(prompts, GREEDY, use_tqdm=False)) == expected
+            assert writer.engine.flush_kv_writes() and writer.engine.stats()["kv_redis_writes"] >= 4
+        finally:
+            writer.engine.close()
+        for tp in (1, 2):
+            reader = LLM(model=str(tiny_gqa), tensor_parallel_size=tp, num_kv_blocks=64, **redis)
+            try:
+                outs = reader.generate(prompts, GREEDY, use_tqdm=False)
+                assert _tokens(outs) == expected, tp
+                assert reader.engine.stats()["kv_redis_hits"] >= 4 and outs[0].num_cached_tokens >= 32, tp
+            finally:
+                reader.engine.close()
+    finally:
+        delete_prefix(SHARED_URL, prefix)
 
 
 def test_a_dead_worker_fails_the_engine_not_hangs(tiny_gqa):
