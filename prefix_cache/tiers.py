@@ -248,6 +248,8 @@ class KVTiers:
         # keys of blocks loaded from a tier: their commit must not write them back (until the next step)
         self._loaded_keys: set[BlockKey] = set()
         self._writes: list[PendingWrite] = []
+        # Told of each block handed to the remote store's writer (KV events report it as STORAGE).
+        self.on_remote_write: Callable[[BlockMeta], None] | None = None
         if self.enabled:  # with neither tier (the null object) block events cost nothing
             blocks.add_listener(self)
 
@@ -445,6 +447,8 @@ class KVTiers:
             return
         for w, payload in zip(writes, payloads, strict=True):
             self.remote.put(w.meta, payload)
+            if self.on_remote_write is not None:
+                self.on_remote_write(w.meta)
 
     # ---- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:

@@ -119,6 +119,22 @@ def test_host_tier_moves_carry_the_cpu_medium(events_llm):
     assert demoted and set(demoted) == set(evicted)  # every block evicted from the device went to host memory
 
 
+def test_redis_write_through_is_reported_as_remote_storage(events_llm):
+    from fixtures.redis_servers import SHARED_URL, delete_prefix, unique_prefix
+
+    prefix = unique_prefix()
+    try:
+        llm, sub = events_llm(num_kv_blocks=32, kv_redis_url=SHARED_URL, kv_redis_key_prefix=prefix)
+        llm.generate([{"prompt_token_ids": list(range(700, 700 + 3 * BS + 1))}], GREEDY, use_tqdm=False)
+        events = _events(sub)
+        device = [h for e in events if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes]
+        storage = [e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+        assert storage and all(e.locality == "REMOTE" for e in storage)
+        assert [h for e in storage for h in e.block_hashes] == device  # every new block, written through
+    finally:
+        delete_prefix(SHARED_URL, prefix)
+
+
 def test_reset_prefix_cache_publishes_all_blocks_cleared(events_llm):
     llm, sub = events_llm(num_kv_blocks=32)
     llm.generate([{"prompt_token_ids": list(range(100, 100 + 2 * BS + 1))}], GREEDY, use_tqdm=False)
