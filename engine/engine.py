@@ -61,7 +61,7 @@ class Engine:
         model = load_model(folder, self.model_config, self.dtype, self.device, tp=tp,
                            quantization=effective_quantization(config.quantization, config.model))
         self.weight_bytes = weight_bytes(model)
-        self.quantization = "gguf" if model.quantized else "none"
+        self.quantization = model.quantization
         shard_config = local_config(self.model_config, tp)  # this rank's heads and KV heads
         num_blocks = self._num_kv_blocks()
         fingerprint = model_fingerprint(folder)
@@ -299,7 +299,7 @@ def effective_quantization(setting: str | None, model: str) -> str | None:
     folder runs as its weights are (so does the folder a GGUF was converted into, given by path)."""
     if setting not in (None, "auto"):
         return setting
-    return None if names_gguf(model) else "none"
+    return None if names_gguf(model) else "folder"
 
 
 def init_tp(config: EngineConfig, workers: TensorParallelWorkers | None, device: torch.device) -> TPGroup:

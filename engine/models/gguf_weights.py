@@ -85,7 +85,10 @@ class GGUFTensors:
 
 
 def pack(parts: tuple) -> QuantizedWeight:
-    return int4_from_groups(*parts[1:], 32) if parts[0] == "int4" else int8_from_channels(*parts[1:])
+    if parts[0] == "int8":
+        return int8_from_channels(*parts[1:])
+    q, scale, zero = parts[1:]
+    return int4_from_groups(q, scale, zero, q.shape[1] // scale.shape[1])
 
 
 def stack(parts: list[tuple]) -> QuantizedWeight:
@@ -98,7 +101,8 @@ def stack(parts: list[tuple]) -> QuantizedWeight:
 def _dense_int4(p: tuple) -> torch.Tensor:
     _, q, scale, zero = p
     n, k = q.shape
-    return ((q.float().reshape(n, -1, 32) - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
+    g = k // scale.shape[1]
+    return ((q.float().reshape(n, -1, g) - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
 
 
 def _exact_int4(data: np.ndarray, kind: str, rows: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

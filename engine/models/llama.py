@@ -116,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.vocab_size = vocab_size or cfg.vocab_size
+        self.quantization = "none"  # the loader sets "gguf" / "compressed-tensors" when linears stay quantized
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -140,11 +141,12 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         self._layers = tuple(LayerWeights.of(layer, ops.pack_weight) for layer in self.model.layers)
         head = self.lm_head.weight
-        self._lm_head = ops.pack_weight(head if self.quantized else head.detach())  # never a Parameter
+        self._lm_head = ops.pack_weight(head if isinstance(head, QuantizedWeight) else head.detach())  # no Parameter
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.lm_head.weight, QuantizedWeight)
+        """Whether the linears are QuantizedWeight (a quantized GGUF or compressed-tensors checkpoint)."""
+        return isinstance(self.model.layers[0].self_attn.qkv_proj.weight, QuantizedWeight)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32 once per step and shared by all layers (HF does the same math per layer).
@@ -218,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         return torch.cat((decode, prefill))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.quantized:  # an int8 table: refined in float32 where sampling looks
+        if isinstance(self._lm_head, QuantizedWeight):  # an int8 table: refined in float32 where sampling looks
             return quantized_logits(hidden, self._lm_head)  # [N, vocab]
         logits = self.ops.linear(hidden, self._lm_head)  # [N, vocab or this rank's slice]
         if self.tp.size > 1:

@@ -12,7 +12,8 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.parallel import SINGLE, TPGroup
 from engine.models.rope import rope_frequencies
 from engine.models.gguf_weights import GGUFTensors, UnsupportedQuantizationError
-from engine.models.quantized import gguf_source, quantize_model
+from engine.models.hf_quantized import dequantized_state, hf_quantization, quantized_projections
+from engine.models.quantized import QuantizedLinear, gguf_source, quantize_model
 from engine.models.sharding import local_config, shard_state
 
 
@@ -23,8 +24,9 @@ def quantized_source(folder: str | Path, quantization: str | None):
     """The GGUF tensors to serve quantized, or None to load the (dense) HF folder.
 
     ``quantization``: "gguf" requires a quantized GGUF source; "none" always loads dense weights;
-    None (auto) serves a quantized GGUF quantized, as vLLM and llama.cpp do."""
-    if quantization == "none":
+    None (auto) serves a quantized GGUF quantized, as vLLM and llama.cpp do; "folder" (auto for a
+    folder given by path) loads the folder's own weights: dense, or its compressed-tensors linears."""
+    if quantization in ("none", "folder"):
         return None
     source = gguf_source(folder)
     tensors = GGUFTensors(source) if source is not None else None
@@ -56,13 +58,31 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
         tensors = None  # auto: dense weights where the quantized kernels do not run
     if tensors is not None:
         quantize_model(model, cfg, tensors, dtype)
+        model.quantization = "gguf"
         model.inv_freq = inv_freq.to(device)
         return model.eval()
     state: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(path)))
+    hf_quant = hf_quantization(folder)  # compressed-tensors int4 / int8 linears (or None: dense)
+    if hf_quant is not None and quantization == "gguf":
+        raise UnsupportedQuantizationError(f"quantization='gguf' needs a GGUF model; {folder} is a "
+                                           "compressed-tensors checkpoint (leave quantization unset).")
+    if hf_quant is not None and (quantization == "none" or tp.size > 1 or device.type != "cpu"):
+        state = dequantized_state(state, full.num_layers, hf_quant["bits"])  # dense where int kernels do not run
+        hf_quant = None
+    if hf_quant is not None:
+        model.quantization = "compressed-tensors"
+        for i, name, weight in quantized_projections(state, full.num_layers, hf_quant["bits"]):
+            model.model.layers[i].set_submodule(name, QuantizedLinear(weight, None))
     # Each rank reads the whole checkpoint, keeps its slices and drops the rest.
     state = shard_state(fuse_projections(state, cfg.num_layers), full, tp)
+    if hf_quant is not None:  # biases of the quantized projections (Qwen2's q/k/v)
+        for i, layer in enumerate(model.model.layers):
+            for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+                bias = state.get(f"model.layers.{i}.{name}.bias")
+                if bias is not None:
+                    layer.get_submodule(name).bias = torch.nn.Parameter(bias.to(dtype), requires_grad=False)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}

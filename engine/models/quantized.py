@@ -59,7 +59,7 @@ def gguf_source(folder: str | Path) -> Path | None:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight the model holds: dense parameters plus quantized tables."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
     seen: set[int] = set()
     for m in model.modules():
         q = getattr(m, "qweight", None)
