@@ -82,7 +82,7 @@ class ModelRunner:
             (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype, device
         )
         self.kv_mover = KVMover(self.kv_cache, num_host_kv_slots, kv_heads, total_kv_heads)  # tier transfers
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
         model.bind_ops(ops)  # the backend's ops, bound once: the one forward calls only these
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}

@@ -1,7 +1,7 @@
 """The decoder layer's elementwise ops: residual add + RMSNorm, SiLU-and-multiply, rotary embedding.
 
     add_rms_norm(x[T,H], residual[T,H] | None, weight[H], eps) -> (out[T,H], new_residual[T,H])
-    silu_mul(gate_up[T,2I]) -> out[T,I]
+    silu_mul(gate_up[T,2I]) -> out[T,I]       gelu_tanh_mul(gate_up[T,2I]) -> out[T,I] (Gemma)
     rope(x[T,NH,D], cos[T,D/2], sin[T,D/2]) -> out[T,NH,D]
 
 Here are the torch references (``<op>_torch``: the arithmetic of HF transformers' Llama, rounding
@@ -37,6 +37,12 @@ def add_rms_norm_torch(
 def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP activation (transformers' gelu_pytorch_tanh): gelu_tanh(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from .elementwise import gelu_tanh_mul_torch
+
 DEBUG_SWITCH = "PREFIXSERVE_DEBUG_KERNELS"
 
 
@@ -34,6 +36,8 @@ class KernelOps:
     paged_attention_prefill: Callable[..., torch.Tensor]
     copy_blocks: Callable[..., None]
     pack_weight: Callable[[torch.Tensor], torch.Tensor] = unpacked
+    # Gemma's MLP activation; every backend binds the reference (its share of a Gemma step is small).
+    gelu_tanh_mul: Callable[..., torch.Tensor] = gelu_tanh_mul_torch
 
 
 def debug_kernels() -> bool:

@@ -2,12 +2,15 @@
 
     linear(x[M,K], weight[N,K], bias[N] | None) -> [M,N]
     add_rms_norm(x[T,H], residual[T,H] | None, weight[H], eps) -> (out[T,H], new_residual[T,H])
-    silu_mul(gate_up[T,2I]) -> [T,I]
+    silu_mul(gate_up[T,2I]) -> [T,I]          gelu_tanh_mul(gate_up[T,2I]) -> [T,I]  (Gemma)
     rope(x[T,NH,D], cos[T,D/2], sin[T,D/2]) -> [T,NH,D]     (may write into x; use the result)
     store_kv(key[T,Hkv,D], value[T,Hkv,D], k_cache, v_cache, slot_mapping[T]) -> None
-    paged_attention_decode(query[B,Hq,D], k_cache, v_cache, block_tables, seq_lens, scale) -> [B,Hq,D]
+    paged_attention_decode(query[B,Hq,D], k_cache, v_cache, block_tables, seq_lens, scale,
+                           window=0, softcap=0.0) -> [B,Hq,D]
     paged_attention_prefill(query[T,Hq,D], k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                            scale) -> [T,Hq,D]
+                            scale, window=0, softcap=0.0) -> [T,Hq,D]
+        window > 0: a query at position p sees keys p-window+1 .. p (sliding-window layers);
+        softcap > 0: scores become softcap * tanh(score / softcap) (kernels/masked_attention.py)
     copy_blocks(kv_cache[L,2,NB,BS,Hkv,D], pairs[P,2]) -> None
 
 Backends (``get_ops``): "torch" binds the references everywhere; "triton" the Triton attention

@@ -29,6 +29,12 @@ from ._common import (
     next_pow2,
 )
 
+from .masked_attention import (
+    check_window_softcap,
+    decode_as_prefill,
+    masked_paged_attention_torch,
+    window_or_softcap_applies,
+)
 from .online_softmax_triton import bind_into
 
 # triton.language, bound by _common.lazy_jit at the first Triton launch: importing this module never
@@ -40,8 +46,9 @@ _OP = "paged_attention_decode"
 _IDX = (torch.int32, torch.int64)
 
 
-def _validate(query, k_cache, v_cache, block_tables, seq_lens, scale):
+def _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window=0, softcap=0.0):
     nb, bs, hkv, d = check_cache_pair(_OP, k_cache, v_cache)
+    check_window_softcap(_OP, window, softcap)
     dev = k_cache.device
     check_float(_OP, "query", query, 3, k_cache.dtype, dev)
     b, hq, dq = query.shape
@@ -73,6 +80,8 @@ def paged_attention_decode_torch(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Torch reference (and CPU production path) of :func:`paged_attention_decode_triton`.
 
@@ -84,9 +93,12 @@ def paged_attention_decode_torch(
     On CPU, sequences that share prefix blocks (per group of rows with the same first block) read
     the distinct blocks once instead (:func:`_decode_by_prefix_group`).
     """
-    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     if b == 0:
         return query.new_empty((0, hq, d))
+    if window_or_softcap_applies(seq_lens, window, softcap):
+        return masked_paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
+                                            decode_as_prefill(seq_lens), scale, window, softcap)
     g = hq // hkv
     dev = query.device
     lens_host = seq_lens.tolist()
@@ -513,6 +525,13 @@ def paged_attention_decode_triton(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Decode attention over the paged KV cache (Triton). Returns ``[B, Hq, D]`` in query's dtype."""
+    """Decode attention over the paged KV cache (Triton). Returns ``[B, Hq, D]`` in query's dtype.
+    A sliding window or soft cap that changes the result goes to the torch reference (the kernel has
+    neither yet)."""
+    _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+    if window_or_softcap_applies(seq_lens, window, softcap):
+        return paged_attention_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     return _launch(query, k_cache, v_cache, block_tables, seq_lens, scale)

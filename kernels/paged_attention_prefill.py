@@ -30,6 +30,7 @@ from ._common import (
     next_pow2,
 )
 
+from .masked_attention import check_window_softcap, masked_paged_attention_torch, window_or_softcap_applies
 from .online_softmax_triton import bind_into
 
 # triton.language, bound by _common.lazy_jit at the first Triton launch: importing this module never
@@ -41,8 +42,9 @@ _OP = "paged_attention_prefill"
 _IDX = (torch.int32, torch.int64)
 
 
-def _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+def _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=0, softcap=0.0):
     nb, bs, hkv, d = check_cache_pair(_OP, k_cache, v_cache)
+    check_window_softcap(_OP, window, softcap)
     dev = k_cache.device
     check_float(_OP, "query", query, 3, k_cache.dtype, dev)
     t, hq, dq = query.shape
@@ -99,6 +101,8 @@ def paged_attention_prefill_torch(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Torch reference (and CPU production path) of :func:`paged_attention_prefill_triton`.
 
@@ -106,10 +110,15 @@ def paged_attention_prefill_torch(
     ``[Hkv, G, q_len, D]`` and K/V are broadcast (stride 0) over G, which measured 1.7-3x faster
     on CPU than ``enable_gqa=True`` (and faster than repeating KV).
     """
-    t, hq, d, s, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    t, hq, d, s, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                         window, softcap)
     out = query.new_empty((t, hq, d))
     if t == 0 or s == 0:
         return out
+    if window_or_softcap_applies(seq_lens, window, softcap):
+        check_sequences(query_start_loc, seq_lens, t, block_tables.shape[1], bs)
+        return masked_paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                            window, softcap)
     g = hq // hkv
     dev = query.device
     qsl, lens = check_sequences(query_start_loc, seq_lens, t, block_tables.shape[1], bs)
@@ -302,6 +311,13 @@ def paged_attention_prefill_triton(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal prefill attention over the paged KV cache (Triton). Returns ``[T, Hq, D]``."""
+    """Causal prefill attention over the paged KV cache (Triton). Returns ``[T, Hq, D]``. A sliding
+    window or soft cap that changes the result goes to the torch reference (the kernel has neither yet)."""
+    _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap)
+    if window_or_softcap_applies(seq_lens, window, softcap):
+        return paged_attention_prefill_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                             window, softcap)
     return _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InvalidConfigError
-from engine.models.resolve import SUPPORTED_ARCHITECTURES
+from engine.models.resolve import GEMMA3_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 # RoPE types whose frequencies are fixed at load time. "dynamic" and "longrope" rescale with the
 # running sequence length, which paged KV computed at an earlier length cannot follow.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,16 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+    # Gemma 3 (engine/models/gemma.py reads them from its config); the defaults are Llama's.
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh": the gated MLP's activation
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window (0: global attention); () = all global
+    query_scale: float | None = None  # attention scale = query_scale ** -0.5 (default head_dim ** -0.5)
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False  # RMSNorm after attention and after the MLP too, before the residual add
+    norm_offset: bool = False  # checkpoint norm weights w mean 1 + w (the loader adds the 1)
+    attn_softcap: float = 0.0  # scores -> c * tanh(score / c) (0: none)
+    final_softcap: float = 0.0  # logits -> c * tanh(logit / c) (0: none)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -41,10 +51,22 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})."
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise InvalidConfigError(f"hidden activation {self.hidden_act!r} is not supported; supported: {HIDDEN_ACTS}.")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise InvalidConfigError(f"layer_windows must give each of the {self.num_layers} layers a window >= 0.")
         if self.rope_type not in STATIC_ROPE_TYPES:
             raise InvalidConfigError(
                 f"rope type {self.rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}."
             )
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` (0: it attends to every earlier position)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_scale or self.head_dim) ** -0.5
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -72,6 +94,10 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InvalidConfigError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+    if arch in GEMMA3_ARCHITECTURES:
+        from engine.models.gemma import gemma3_config
+
+        return gemma3_config(folder, arch, _eos_ids(folder, raw))
     if raw.get("hidden_act", "silu") != "silu":
         raise InvalidConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu).")
     num_heads = raw["num_attention_heads"]

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) with attention read through block tables.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3) with attention read through block tables.
 
 Module names match Hugging Face's checkpoints so weights load by name; the modules only hold
 weights. The forward is written once, over a backend's op set (kernels.KernelOps) bound at load
@@ -8,11 +8,15 @@ The KV cache is one tensor for all layers, [num_layers, 2, num_blocks, block_siz
 head_dim]; each layer writes its new K/V into slots and reads all K/V through the block tables.
 
     per layer:  h, res = add_rms_norm(x, res)          (layer 0: res = embeddings)
-                qkv = linear(h, Wqkv, b); [Qwen3: rms_norm(q), rms_norm(k) per head]
+                qkv = linear(h, Wqkv, b); [Qwen3, Gemma: rms_norm(q), rms_norm(k) per head]
                 rope(q, k); K, V -> cache slots (store_kv)
-                x = linear(attention(q), Wo, b);  h, res = add_rms_norm(x, res)
-                x = linear(silu_mul(linear(h, Wgu, b)), Wd, b)
+                x = linear(attention(q, window_i, softcap), Wo, b); [Gemma: x = rms_norm(x)]
+                h, res = add_rms_norm(x, res)
+                x = linear(act_mul(linear(h, Wgu, b)), Wd, b);      [Gemma: x = rms_norm(x)]
     then:       out = add_rms_norm(x, res)
+
+act_mul is silu_mul, or gelu_tanh_mul for Gemma; Gemma's flags (engine/models/gemma.py) also scale
+the embeddings, give sliding-window layers (window_i > 0) their own rope, and soft-cap the logits.
 
 Tensor parallel (engine/models/sharding.py): each rank holds its heads, its MLP rows and its vocab
 slice; the forward adds three collectives (``tp``): all_reduce after the vocab-parallel embedding and
@@ -67,34 +71,44 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Llama's pre-MLP norm; with sandwich norms (Gemma) the attention output's norm.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     """One layer's tensors, gathered once at bind so the forward reads no module attributes."""
 
-    norm1: torch.Tensor  # [hidden]
+    norm1: torch.Tensor  # [hidden], the attention's input norm
     qkv: torch.Tensor  # [(Hq+2Hkv)*D, hidden]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor  # [hidden, Hq*D]
     o_bias: torch.Tensor | None
-    norm2: torch.Tensor  # [hidden]
+    norm2: torch.Tensor  # [hidden], the MLP's input norm
     gate_up: torch.Tensor  # [2I, hidden]
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, I]
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # [D] (Qwen3's per-head q/k norms; None elsewhere)
     k_norm: torch.Tensor | None = None  # [D]
+    attn_out_norm: torch.Tensor | None = None  # [hidden] (Gemma's sandwich norms; None elsewhere)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]
 
     @classmethod
     def of(cls, layer: DecoderLayer, pack: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
         """The layer's tensors, linear weights in the layout the bound ops' linear reads (`pack`)."""
         a, m = layer.self_attn, layer.mlp
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         return cls(layer.input_layernorm.weight, pack(a.qkv_proj.weight), a.qkv_proj.bias, pack(a.o_proj.weight),
-                   a.o_proj.bias, layer.post_attention_layernorm.weight, pack(m.gate_up_proj.weight),
+                   a.o_proj.bias, mlp_norm.weight, pack(m.gate_up_proj.weight),
                    m.gate_up_proj.bias, pack(m.down_proj.weight), m.down_proj.bias,
-                   getattr(getattr(a, "q_norm", None), "weight", None), getattr(getattr(a, "k_norm", None), "weight", None))
+                   getattr(getattr(a, "q_norm", None), "weight", None), getattr(getattr(a, "k_norm", None), "weight", None),
+                   layer.post_attention_layernorm.weight if sandwich else None,
+                   layer.post_feedforward_layernorm.weight if sandwich else None)
 
 
 class Backbone(nn.Module):
@@ -106,12 +120,13 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM: they differ only in config flags."""
+    """Also serves Qwen2, Qwen3, Mistral and Gemma 3 (its text model): they differ only in config flags."""
 
     def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0,
                  tp: TPGroup = SINGLE, vocab_size: int | None = None) -> None:
         """``cfg`` is this rank's model (sharding.local_config); ``vocab_size`` the full vocabulary
-        when the embedding and LM head hold a vocab slice (tensor parallel)."""
+        when the embedding and LM head hold a vocab slice (tensor parallel). Sliding-window layers
+        with their own rope (Gemma 3) read ``local_inv_freq``, which the loader sets."""
         super().__init__()
         self.config = cfg
         self.tp = tp
@@ -122,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [D/2]
+        self.local_inv_freq: torch.Tensor | None = None  # [D/2]: the sliding-window layers' own rope (Gemma 3)
         self.rope_scaling = rope_scaling
         self.ops: KernelOps | None = None  # bound once at load (bind_ops)
         self._layers: tuple[LayerWeights, ...] = ()
@@ -148,10 +164,21 @@ class LlamaForCausalLM(nn.Module):
         """Whether the linears are QuantizedWeight (a quantized GGUF or compressed-tensors checkpoint)."""
         return isinstance(self.model.layers[0].self_attn.qkv_proj.weight, QuantizedWeight)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None,
+             scaling: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32 once per step and shared by all layers (HF does the same math per layer).
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        return (freqs.cos() * self.rope_scaling).to(dtype), (freqs.sin() * self.rope_scaling).to(dtype)
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        scaling = self.rope_scaling if scaling is None else scaling
+        freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2]
+        return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
+
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin) [T, D/2]: one rope for all, or the local one on sliding-window layers."""
+        rope = self.rope(positions, dtype)
+        if self.local_inv_freq is None:
+            return [rope] * self.config.num_layers
+        local = self.rope(positions, dtype, self.local_inv_freq, 1.0)
+        return [local if self.config.window(i) else rope for i in range(self.config.num_layers)]
 
     def forward(
         self,
@@ -165,28 +192,41 @@ class LlamaForCausalLM(nn.Module):
         eps = cfg.rms_norm_eps
         nd = attn.num_decode_tokens
         x = self._embed(input_ids)  # [T, hidden]
-        cos, sin = self.rope(positions, x.dtype)  # [T, D/2] each
+        ropes = self._ropes(positions, x.dtype)  # per layer: (cos, sin) [T, D/2] each
+        act_mul = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_mul
+        softcap = cfg.attn_softcap
         residual = None  # x is the previous layer's MLP output, not yet added to the residual stream
         for i, w in enumerate(self._layers):
+            window = cfg.window(i)
             h, residual = ops.add_rms_norm(x, residual, w.norm1, eps)  # residual = x + residual
             qkv = ops.linear(h, w.qkv, w.qkv_bias)  # [T, (Hq + 2*Hkv) * D]
-            qk = ops.rope(self._qk(ops, qkv, w, T), cos, sin)  # [T, Hq+Hkv, D]
+            qk = ops.rope(self._qk(ops, qkv, w, T), *ropes[i])  # [T, Hq+Hkv, D]
             q, k = qk[:, :Hq], qk[:, Hq:]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)  # [T, Hkv, D]
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]  # [NB, BS, Hkv, D]
             ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
             if nd == T:  # decode-only step (beams, samples, batches of decodes)
                 out = ops.paged_attention_decode(q, k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens,
-                                                 attn.scale)  # [T, Hq, D]
+                                                 attn.scale, window=window, softcap=softcap)  # [T, Hq, D]
             else:
-                out = self._mixed_attention(ops, q, k_cache, v_cache, attn)
+                out = self._mixed_attention(ops, q, k_cache, v_cache, attn, window, softcap)
             x = self.tp.all_reduce(ops.linear(out.reshape(T, Hq * D), w.o, w.o_bias))  # [T, hidden]
+            if w.attn_out_norm is not None:  # Gemma: normalise the attention output before the residual add
+                x = ops.add_rms_norm(x, None, w.attn_out_norm, eps)[0]
             h, residual = ops.add_rms_norm(x, residual, w.norm2, eps)
-            x = self.tp.all_reduce(ops.linear(ops.silu_mul(ops.linear(h, w.gate_up, w.gate_up_bias)), w.down,
+            x = self.tp.all_reduce(ops.linear(act_mul(ops.linear(h, w.gate_up, w.gate_up_bias)), w.down,
                                               w.down_bias))  # [T, hidden]
+            if w.mlp_out_norm is not None:
+                x = ops.add_rms_norm(x, None, w.mlp_out_norm, eps)[0]
         return ops.add_rms_norm(x, residual, self.model.norm.weight, eps)[0]  # [T, hidden]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        x = self._embed_rows(input_ids)
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the model dtype as in HF
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.tp.size == 1:
             return self.model.embed_tokens(input_ids)
         rows = self.config.vocab_size  # this rank's slice of the vocabulary
@@ -208,21 +248,27 @@ class LlamaForCausalLM(nn.Module):
         return torch.cat((q.view(T, Hq, D), k.view(T, Hkv, D)), dim=1)  # [T, Hq+Hkv, D]
 
     @staticmethod
-    def _mixed_attention(ops: KernelOps, q, k_cache, v_cache, attn: AttentionMetadata) -> torch.Tensor:
+    def _mixed_attention(ops: KernelOps, q, k_cache, v_cache, attn: AttentionMetadata, window: int,
+                         softcap: float) -> torch.Tensor:
         """Decodes (the first num_decode_tokens rows) and prefill chunks (the rest): [T, Hq, D]."""
         nd = attn.num_decode_tokens
         prefill = ops.paged_attention_prefill(q[nd:], k_cache, v_cache, attn.prefill_block_tables,
-                                              attn.prefill_seq_lens, attn.prefill_query_start_loc, attn.scale)
+                                              attn.prefill_seq_lens, attn.prefill_query_start_loc, attn.scale,
+                                              window=window, softcap=softcap)
         if not nd:
             return prefill
         decode = ops.paged_attention_decode(q[:nd], k_cache, v_cache, attn.decode_block_tables,
-                                            attn.decode_seq_lens, attn.scale)
+                                            attn.decode_seq_lens, attn.scale, window=window, softcap=softcap)
         return torch.cat((decode, prefill))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        cap = self.config.final_softcap
         if isinstance(self._lm_head, QuantizedWeight):  # an int8 table: refined in float32 where sampling looks
-            return quantized_logits(hidden, self._lm_head)  # [N, vocab]
-        logits = self.ops.linear(hidden, self._lm_head)  # [N, vocab or this rank's slice]
-        if self.tp.size > 1:
-            logits = self.tp.all_gather_last(logits)[:, : self.vocab_size]  # [N, vocab]
+            logits = quantized_logits(hidden, self._lm_head)  # [N, vocab]
+        else:
+            logits = self.ops.linear(hidden, self._lm_head)  # [N, vocab or this rank's slice]
+            if self.tp.size > 1:
+                logits = self.tp.all_gather_last(logits)[:, : self.vocab_size]  # [N, vocab]
+        if cap:  # HF caps in the model dtype and then upcasts; float32 here (the same in fp32 models)
+            return torch.tanh(logits.float() / cap) * cap
         return logits.float()

@@ -10,7 +10,7 @@ from engine.errors import InvalidConfigError
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.parallel import SINGLE, TPGroup
-from engine.models.rope import rope_frequencies
+from engine.models.rope import has_local_rope, rope_frequencies
 from engine.models.gguf_weights import GGUFTensors, UnsupportedQuantizationError
 from engine.models.hf_quantized import dequantized_state, hf_quantization, quantized_projections
 from engine.models.quantized import QuantizedLinear, gguf_source, quantize_model
@@ -59,11 +59,11 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
     if tensors is not None:
         quantize_model(model, cfg, tensors, dtype)
         model.quantization = "gguf"
-        model.inv_freq = inv_freq.to(device)
-        return model.eval()
+        return _with_rope(model, folder, inv_freq, device)
     state: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(path)))
+    state = with_norm_offset(text_model_names(state), cfg)
     hf_quant = hf_quantization(folder)  # compressed-tensors int4 / int8 linears (or None: dense)
     if hf_quant is not None and quantization == "gguf":
         raise UnsupportedQuantizationError(f"quantization='gguf' needs a GGUF model; {folder} is a "
@@ -93,8 +93,47 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    return _with_rope(model, folder, inv_freq, device)
+
+
+def _with_rope(model: LlamaForCausalLM, folder: Path, inv_freq: torch.Tensor, device: torch.device
+               ) -> LlamaForCausalLM:
     model.inv_freq = inv_freq.to(device)
+    if has_local_rope(folder):  # Gemma 3: sliding-window layers rotate with their own base
+        model.local_inv_freq = rope_frequencies(folder, "sliding_attention")[0].to(device)
     return model.eval()
+
+
+# A multimodal checkpoint's text model -> our names (transformers >= 5 writes the first form, Google's
+# original Gemma 3 checkpoints the second); everything else under these models is the vision tower.
+TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_model_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with a multimodal checkpoint's text-model weights under our names, the vision
+    tower's dropped; a text-only checkpoint is returned as is."""
+    if not any(k.startswith(p) for k in state for p, _ in TEXT_MODEL_PREFIXES):
+        return state
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for theirs, ours in TEXT_MODEL_PREFIXES:
+            if name.startswith(theirs):
+                name = ours + name[len(theirs):]
+                break
+        out[name] = tensor
+    return out
+
+
+def with_norm_offset(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Gemma's RMSNorm multiplies by 1 + w: store 1 + w once (in float32, before any cast), so the
+    forward's norms are Llama's."""
+    if not cfg.norm_offset:
+        return state
+    return {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in state.items()}
 
 
 # Our fused parameter <- the checkpoint's parameters, concatenated along the output dimension.

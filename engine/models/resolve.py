@@ -54,16 +54,20 @@ __all__ = [
 
 logger = logging.getLogger("prefixserve")
 
+# Gemma 3: the text model; a multimodal checkpoint's vision tower is not loaded.
+GEMMA3_ARCHITECTURES: tuple[str, ...] = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", *GEMMA3_ARCHITECTURES,
 )
 
 # config.json "model_type" -> architecture, for folders whose config has no "architectures".
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
 }
 # GGUF "general.architecture" -> architecture (Mistral GGUFs usually say "llama").
-_GGUF_ARCH_TO_ARCH = dict(_MODEL_TYPE_TO_ARCH)  # GGUF's general.architecture uses the same names
+# GGUF's general.architecture uses the same names; a "gemma3" GGUF holds the text model.
+_GGUF_ARCH_TO_ARCH = {**_MODEL_TYPE_TO_ARCH, "gemma3": "Gemma3ForCausalLM"}
 
 # Bump when the conversion output changes, so stale cache folders are not reused.
 _CONVERSION_VERSION = 1

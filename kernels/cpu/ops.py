@@ -32,6 +32,7 @@ from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
 from .linear import covers, linear_covered, rows_covered
 from ..interface import KernelOps
+from ..masked_attention import window_or_softcap_applies
 from .paged_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
 from .store_kv import store_kv_cpu
 
@@ -141,12 +142,14 @@ class _BoundCpuOps:
 
     # query [B, Hq, D] (head rows contiguous); block_tables [B, W] int32 contiguous with W covering
     # every seq_len; seq_lens [B] int32 -- as the model runner builds them.
-    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         b, hq, d = query.shape
         nb, bs, hkv, _ = k_cache.shape
         n = self.native
-        if hq // hkv > n.max_group or d > n.max_head_dim or bs > n.max_block_size:
-            return paged_attention_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        if (hq // hkv > n.max_group or d > n.max_head_dim or bs > n.max_block_size
+                or window_or_softcap_applies(seq_lens, window, softcap)):
+            return paged_attention_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
         out = torch.empty((b, hq, d), dtype=self.dtype)  # [B, Hq, D]
         bad = self.decode_fn(
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),

@@ -10,7 +10,8 @@ The same signatures and contracts as :func:`kernels.paged_attention_decode_torch
 :func:`kernels.paged_attention_prefill_torch` (the references); the launchers check shapes and
 strides and hand raw pointers to the C kernels, which check the block ids they will read before
 reading any. Anything a C kernel does not cover (float16, a group or head larger than it was built
-for, or no C compiler) goes to the torch reference, so these functions are always safe to call.
+for, a sliding window shorter than a sequence or a soft cap -- kernels/masked_attention.py -- or no C
+compiler) goes to the torch reference, so these functions are always safe to call.
 
 Shared prefixes (forks, beams, cache hits) go through the C kernel too: it reads a shared block
 once per sequence, but from cache, and measured faster than the reference's cascade path (which
@@ -24,6 +25,7 @@ import torch
 
 from .._common import cdiv
 from .native import NativeKernels, cpu_has_amx, native_kernels
+from ..masked_attention import window_or_softcap_applies
 from ..paged_attention_decode import _validate, paged_attention_decode_torch
 from ..paged_attention_prefill import _validate as _validate_prefill
 from ..paged_attention_prefill import check_sequences, paged_attention_prefill_torch
@@ -39,12 +41,15 @@ def paged_attention_decode_cpu(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache with the CPU C kernel (torch fallback)."""
-    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     native = native_kernels()
-    if native is None or not _supported(native, query, k_cache, v_cache, hq // hkv, d, bs):
-        return paged_attention_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    if (native is None or not _supported(native, query, k_cache, v_cache, hq // hkv, d, bs)
+            or window_or_softcap_applies(seq_lens, window, softcap)):
+        return paged_attention_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     if b == 0:
         return query.new_empty((0, hq, d))
     lens = seq_lens.to(torch.int32).contiguous()
@@ -89,6 +94,8 @@ def paged_attention_prefill_cpu(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal prefill attention over the paged KV cache with the CPU C kernel (torch fallback).
 
@@ -96,10 +103,13 @@ def paged_attention_prefill_cpu(
     results agree to float32 rounding (bfloat16: to its final rounding). On CPUs with AMX, bfloat16
     goes to the reference instead: its SDPA runs the products on AMX, measured ~2x faster than the
     kernel's float32 FMAs; without AMX SDPA measured 2.6-3x slower than the kernel."""
-    t, hq, d, s, nb, bs, hkv = _validate_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    t, hq, d, s, nb, bs, hkv = _validate_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                                 window, softcap)
     native = native_kernels()
-    if native is None or not _prefill_supported(native, query, k_cache, v_cache, d):
-        return paged_attention_prefill_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if (native is None or not _prefill_supported(native, query, k_cache, v_cache, d)
+            or window_or_softcap_applies(seq_lens, window, softcap)):
+        return paged_attention_prefill_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                             window, softcap)
     qsl, lens = check_sequences(query_start_loc, seq_lens, t, block_tables.shape[1], bs)
     out = query.new_empty((t, hq, d))
     if t == 0:

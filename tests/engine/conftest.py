@@ -14,7 +14,9 @@ def hf_model_loader():
 
         key = str(path)
         if key not in cache:
-            cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+            # Eager attention: the one HF path with Gemma's soft caps (SDPA has none).
+            cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
         return cache[key]
 
     return load

@@ -67,7 +67,8 @@ def cache(tmp_path, monkeypatch) -> pathlib.Path:
 
 
 def test_public_constants():
-    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                                       "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
     assert DEFAULT_MODEL == "smollm2-135m-instruct"
     assert DEFAULT_MODEL in BUILTIN_MODELS
     assert issubclass(ModelNotFoundError, FileNotFoundError)

@@ -1,0 +1,96 @@
+"""Sliding-window and soft-capped attention: every backend's decode and prefill op against a dense
+computation written here (all keys gathered, the masks built from positions), including sequences
+shorter than the window (the kernels' own path) and cached prefixes (prefill rows late in a sequence)."""
+import pytest
+import torch
+from kernels_testlib import needs_triton
+
+from kernels import get_ops
+from kernels.masked_attention import masked_paged_attention_torch
+
+NB, BS, HKV, G, D = 48, 8, 2, 3, 16
+
+
+def _dense(query, k_cache, v_cache, table, kv_len, q_pos, scale, window, softcap):
+    """query [n, Hq, D] at absolute positions q_pos [n] of one sequence -> [n, Hq, D], in float32."""
+    pos = torch.arange(kv_len)
+    slots = table[pos // BS].long() * BS + pos % BS
+    k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(G, 1)  # [K, Hq, D]
+    v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(G, 1)
+    s = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    visible = pos[None] <= q_pos[:, None]
+    if window:
+        visible &= q_pos[:, None] - pos[None] < window
+    return torch.einsum("hqk,khd->qhd", s.masked_fill(~visible, float("-inf")).softmax(-1), v)
+
+
+def _case(dtype, lens, q_lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(NB, BS, HKV, D, generator=g).to(dtype)
+    v = torch.randn(NB, BS, HKV, D, generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(NB, generator=g)[:12] for _ in lens]).int()  # [S, 12]
+    q = torch.randn(sum(q_lens), HKV * G, D, generator=g).to(dtype)
+    return q, k, v, tables
+
+
+def _expected(q, k, v, tables, lens, q_lens, scale, window, softcap):
+    rows, start = [], 0
+    for s, (n, ql) in enumerate(zip(lens, q_lens)):
+        rows.append(_dense(q[start:start + ql], k, v, tables[s], n, torch.arange(n - ql, n), scale, window, softcap))
+        start += ql
+    return torch.cat(rows)
+
+
+BACKENDS = ["torch", "cpu", pytest.param("triton", marks=needs_triton)]
+WINDOWS_CAPS = [(0, 0.0), (5, 0.0), (16, 0.0), (0, 7.5), (5, 7.5), (200, 0.0)]  # 200: longer than every sequence
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", WINDOWS_CAPS)
+def test_decode_window_softcap(backend, dtype, window, softcap):
+    lens = [1, 4, 17, 40, 90]
+    q, k, v, tables = _case(dtype, lens, [1] * len(lens))
+    ops = get_ops(backend, "cpu", dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = ops.paged_attention_decode(q, k, v, tables, seq_lens, 0.3, window=window, softcap=softcap)
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out.float(), _expected(q, k, v, tables, lens, [1] * len(lens), 0.3, window, softcap),
+                               **tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", WINDOWS_CAPS)
+def test_prefill_window_softcap(backend, dtype, window, softcap):
+    lens, q_lens = [30, 7, 90, 41], [30, 3, 25, 1]  # whole prompts, cached prefixes, a one-token chunk
+    q, k, v, tables = _case(dtype, lens, q_lens, seed=1)
+    ops = get_ops(backend, "cpu", dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = ops.paged_attention_prefill(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), qsl, 0.3,
+                                      window=window, softcap=softcap)
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out.float(), _expected(q, k, v, tables, lens, q_lens, 0.3, window, softcap), **tol)
+
+
+def test_long_prefill_chunks_queries():
+    """More query rows than one scoring chunk (256): the window's keys per chunk, the same result."""
+    lens, q_lens = [300], [300]
+    q, k, v, _ = _case(torch.float32, [1], [300], seed=2)
+    tables = torch.randperm(NB)[:38].view(1, 38).int()
+    k, v = torch.randn(NB, BS, HKV, D), torch.randn(NB, BS, HKV, D)
+    qsl = torch.tensor([0, 300], dtype=torch.int32)
+    out = masked_paged_attention_torch(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), qsl, 0.3, 40, 0.0)
+    torch.testing.assert_close(out, _expected(q, k, v, tables, lens, q_lens, 0.3, 40, 0.0), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(-1, 0.0), (2.5, 0.0), (True, 0.0), (0, -1.0), (0, float("nan"))])
+def test_bad_window_or_softcap_is_refused(window, softcap):
+    q, k, v, tables = _case(torch.float32, [4], [1])
+    for backend in ("torch", "cpu"):
+        ops = get_ops(backend, "cpu", torch.float32)
+        with pytest.raises(ValueError, match="window|softcap"):
+            ops.paged_attention_prefill(q, k, v, tables, torch.tensor([4], dtype=torch.int32),
+                                        torch.tensor([0, 1], dtype=torch.int32), 0.3, window=window, softcap=softcap)
