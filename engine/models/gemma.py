@@ -20,6 +20,7 @@ config.json files leave out (``layer_types`` from ``sliding_window_pattern``, th
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def gemma3_config(folder: str | Path, arch: str, eos_token_ids: tuple[int, ...])
     from engine.models.config import ModelConfig
 
     hf = hf_text_config(folder)
+    top = json.loads((Path(folder) / "config.json").read_text())  # a multimodal model ties at its top level
+    tie = top.get("tie_word_embeddings", getattr(hf, "tie_word_embeddings", True))
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "gelu_pytorch_tanh")
     if act not in _ACTIVATIONS:
         raise InvalidConfigError(f"hidden_activation {act!r} is not supported; supported: {tuple(_ACTIVATIONS)}.")
@@ -56,7 +59,7 @@ def gemma3_config(folder: str | Path, arch: str, eos_token_ids: tuple[int, ...])
         head_dim=hf.head_dim,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        tie_word_embeddings=bool(tie),
         attention_bias=bool(hf.attention_bias),
         o_bias=bool(hf.attention_bias),
         mlp_bias=False,

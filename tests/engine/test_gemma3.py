@@ -117,3 +117,36 @@ def test_unsupported_gemma_settings_are_refused(tiny_model_factory, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(raw))
         with pytest.raises(InvalidConfigError, match=match):
             load_model_config(tmp_path)
+
+
+def test_gemma3_vision_language_checkpoint_serves_its_text_model(tiny_model_factory, hf_model_loader, tmp_path):
+    """Gemma3ForConditionalGeneration: the language model's weights (model.language_model.*, and
+    Google's original language_model.model.* names) are served, the vision tower is not loaded; greedy
+    text output equals HF's multimodal model and our run of the same weights as Gemma3ForCausalLM."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model_factory("gemma3_mm")
+    assert load_model_config(path).architecture == "Gemma3ForConditionalGeneration"
+    prompts = _prompts(49152, [5, 40, 90], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    refs = hf_greedy(hf_model_loader(path), prompts, 8)
+    text_only = LLM(model=str(tiny_model_factory("gemma3")), num_kv_blocks=64, max_num_seqs=4)
+    expected = [o.outputs[0].token_ids for o in text_only.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                    use_tqdm=False)]
+    del text_only
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for f in path.iterdir():
+        if f.name != "model.safetensors":
+            (legacy / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(path / "model.safetensors"))
+    save_file({k.replace("model.language_model.", "language_model.model.").replace("model.vision_tower.", "vision_tower.")
+               .replace("model.multi_modal_projector.", "multi_modal_projector."): v for k, v in state.items()},
+              str(legacy / "model.safetensors"))
+    for folder in (path, legacy):
+        llm = LLM(model=str(folder), num_kv_blocks=64, max_num_seqs=4)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for i, (out, ref) in enumerate(zip(outs, refs)):
+            assert_greedy_match(out.outputs[0].token_ids, ref, f"{folder.name} prompt {i}")
+            assert out.outputs[0].token_ids == expected[i]
+        del llm
