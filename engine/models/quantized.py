@@ -98,6 +98,9 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, tensors: GGUFTensors, dty
                                            None)
         mlp.down_proj = QuantizedLinear(tensors.quantized(p + "ffn_down.weight"), None)
         norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+        if cfg.sandwich_norms:  # Gemma 3; llama.cpp stores its norms as 1 + w, the weight our norms read
+            norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
         if cfg.qk_norm:
             norms.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
         for ours, theirs in norms.items():

@@ -409,6 +409,9 @@ def _write_hf_folder(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     tokenizer.save_pretrained(out)
     _fix_tokenizer_files(gguf_path, out)
+    from engine.models.gguf_config import fix_converted_config
+
+    fix_converted_config(_read_gguf_metadata(gguf_path, {"general.architecture", "gemma3.block_count"}), out)
 
     arch = _architecture(_read_config(out))
     if arch not in SUPPORTED_ARCHITECTURES:

@@ -150,3 +150,43 @@ def test_gemma3_vision_language_checkpoint_serves_its_text_model(tiny_model_fact
             assert_greedy_match(out.outputs[0].token_ids, ref, f"{folder.name} prompt {i}")
             assert out.outputs[0].token_ids == expected[i]
         del llm
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory, tiny_model_factory, smollm2_path):
+    """(HF folder, {kind: GGUF written from it as llama.cpp writes Gemma 3}), converted in a private cache
+    (smollm2_path first: the default model's conversion stays in the user's cache)."""
+    pytest.importorskip("gguf")
+    from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf
+    from fixtures.gguf_writer import write_gemma3_gguf
+
+    src = tiny_model_factory("gemma3", layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                             tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("gemma3-gguf")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PREFIXSERVE_CACHE_DIR", str(folder / "cache"))
+    files = {kind: write_gemma3_gguf(folder / f"tiny-gemma3.{kind}.gguf", src,
+                                     _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL]), kind) for kind in ("F32", "Q8_0")}
+    yield src, files
+    mp.undo()
+
+
+def test_gemma3_gguf_runs_as_its_hf_source(gemma3_gguf, hf_model_loader):
+    """An unquantized GGUF (norms stored 1 + w, no query_pre_attn_scalar, llama.cpp's layer pattern)
+    gives HF's logprobs at every position; Q8_0 served quantized tracks them."""
+    src, files = gemma3_gguf
+    prompt = _prompts(49152, [120], seed=11)[0]
+    ref = torch.tensor(_hf_prompt_logprobs(hf_model_loader(src), prompt))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    dense = LLM(model=str(files["F32"]), num_kv_blocks=64)
+    assert dense.engine.model_config.layer_windows == (16,) * 5 + (0,)
+    assert dense.engine.model_config.attention_scale == pytest.approx(16 ** -0.5)
+    got = torch.tensor(_our_prompt_logprobs(dense.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0],
+                                            prompt))
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+    del dense
+    quant = LLM(model=str(files["Q8_0"]), num_kv_blocks=64)
+    assert quant.model_info.quantization == "gguf"
+    got = torch.tensor(_our_prompt_logprobs(quant.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0],
+                                            prompt))
+    assert (got - ref).abs().mean() < 0.02 * ref.abs().mean()
