@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.vocab_size = vocab_size or cfg.vocab_size
-        self.quantization = "none"  # the loader sets "gguf" / "compressed-tensors" when linears stay quantized
+        self.quantization = "none"  # the loader sets "gguf" / "compressed-tensors" / "gptq" / "awq" when linears stay quantized
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
