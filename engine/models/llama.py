@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether the linears are QuantizedWeight (a quantized GGUF or compressed-tensors checkpoint)."""
+        """Whether the linears are QuantizedWeight (quantized GGUF, compressed-tensors, GPTQ or AWQ)."""
         return isinstance(self.model.layers[0].self_attn.qkv_proj.weight, QuantizedWeight)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
