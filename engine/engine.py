@@ -103,7 +103,7 @@ class Engine:
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len=%d",
             config.model, self.model_config.architecture, self.model_config.num_layers, self.model_config.num_heads,
             self.model_config.num_kv_heads, config.dtype, self.device, ops.name, self.weight_bytes / 2**20,
-            "quantized: int4/int8 from GGUF" if self.quantization == "gguf" else "dense", num_blocks,
+            "dense" if self.quantization == "none" else f"quantized: int4/int8 from {self.quantization}", num_blocks,
             config.block_size, num_blocks * config.block_size, kv_bytes / 2**20, self.max_model_len,
         )
         if self.tiers.enabled:

@@ -38,7 +38,7 @@ class ModelInfo:
     kv_cache_bytes: int  # the KV pool's resident size (engine/kv_budget.py sizes it by default on CPU)
     max_num_seqs: int
     weight_bytes: int = 0  # the model's weights as held in memory (quantized tables at their packed size)
-    quantization: str = "none"  # "gguf" / "compressed-tensors": linears kept int4 / int8
+    quantization: str = "none"  # "gguf" / "compressed-tensors" / "gptq" / "awq": linears kept int4 / int8
 
     @property
     def kv_cache_tokens(self) -> int:

@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.vocab_size = vocab_size or cfg.vocab_size
-        self.quantization = "none"  # the loader sets "gguf" / "compressed-tensors" when linears stay quantized
+        self.quantization = "none"  # the loader sets "gguf" / "compressed-tensors" / "gptq" / "awq" when linears stay quantized
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether the linears are QuantizedWeight (a quantized GGUF or compressed-tensors checkpoint)."""
+        """Whether the linears are QuantizedWeight (quantized GGUF, compressed-tensors, GPTQ or AWQ)."""
         return isinstance(self.model.layers[0].self_attn.qkv_proj.weight, QuantizedWeight)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None,

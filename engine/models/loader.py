@@ -1,6 +1,7 @@
 """Build our model from a resolved Hugging Face folder: config -> module -> checkpoint weights."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from engine.models.sharding import local_config, shard_state
 
 
 QUANTIZATION_MODES = ("gguf", "none")
+logger = logging.getLogger("prefixserve")
 
 
 def quantized_source(folder: str | Path, quantization: str | None):
@@ -25,7 +27,8 @@ def quantized_source(folder: str | Path, quantization: str | None):
 
     ``quantization``: "gguf" requires a quantized GGUF source; "none" always loads dense weights;
     None (auto) serves a quantized GGUF quantized, as vLLM and llama.cpp do; "folder" (auto for a
-    folder given by path) loads the folder's own weights: dense, or its compressed-tensors linears."""
+    folder given by path) loads the folder's own weights: dense, or its quantized linears
+    (compressed-tensors, GPTQ, AWQ: engine/models/hf_quantized.py)."""
     if quantization in ("none", "folder"):
         return None
     source = gguf_source(folder)
@@ -64,16 +67,20 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
     for path in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(path)))
     state = with_norm_offset(text_model_names(state), cfg)
-    hf_quant = hf_quantization(folder)  # compressed-tensors int4 / int8 linears (or None: dense)
+    hf_quant = hf_quantization(folder)  # compressed-tensors / GPTQ / AWQ linears (or None: dense)
     if hf_quant is not None and quantization == "gguf":
         raise UnsupportedQuantizationError(f"quantization='gguf' needs a GGUF model; {folder} is a "
-                                           "compressed-tensors checkpoint (leave quantization unset).")
-    if hf_quant is not None and (quantization == "none" or tp.size > 1 or device.type != "cpu"):
-        state = dequantized_state(state, full.num_layers, hf_quant["bits"])  # dense where int kernels do not run
+                                           f"{hf_quant['method']} checkpoint (leave quantization unset).")
+    if hf_quant is not None and hf_quant["act_order"] and quantization != "none":
+        logger.warning("%s: GPTQ act-order (desc_act) groups do not run through the int4 kernel; serving the "
+                       "weights dequantized", folder)
+    if hf_quant is not None and (quantization == "none" or hf_quant["act_order"] or tp.size > 1
+                                 or device.type != "cpu"):
+        state = dequantized_state(state, full.num_layers, hf_quant)  # dense where int kernels do not run
         hf_quant = None
     if hf_quant is not None:
-        model.quantization = "compressed-tensors"
-        for i, name, weight in quantized_projections(state, full.num_layers, hf_quant["bits"]):
+        model.quantization = hf_quant["method"]
+        for i, name, weight in quantized_projections(state, full.num_layers, hf_quant):
             model.model.layers[i].set_submodule(name, QuantizedLinear(weight, None))
     # Each rank reads the whole checkpoint, keeps its slices and drops the rest.
     state = shard_state(fuse_projections(state, cfg.num_layers), full, tp)

@@ -57,6 +57,51 @@ def assert_greedy_match(ours: list[int], ref: Reference, label: str = "") -> Non
     assert len(ours) == len(ref.tokens), f"{label}: {len(ours)} tokens vs HF {len(ref.tokens)}"
 
 
+def assert_dequantized_matches_hf(folder, hf_reference, prompts: list[list[int]], max_tokens: int = 10):
+    """A quantized checkpoint served with quantization="none": greedy tokens as HF's on the dequantized
+    weights (``hf_reference``: a float32 transformers model), under the near-tie rule."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), quantization="none", num_kv_blocks=64)
+    assert llm.model_info.quantization == "none"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, hf_greedy(hf_reference, prompts, max_tokens))):
+        assert_greedy_match(out.outputs[0].token_ids, ref, f"prompt {i}")
+
+
+def assert_quantized_tracks_hf(llm, hf_reference, prompts: list[list[int]], bound: float = 0.5) -> dict:
+    """The served quantized model's first-token top-5 against HF's float32 on the dequantized weights:
+    at least 4 of 5 shared, each shared logprob within ``bound`` nat; the differences by token."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    diffs = {}
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        with torch.no_grad():
+            ref = hf_reference(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+        ours = out.outputs[0].logprobs[0]
+        top = set(ref.topk(5).indices.tolist())
+        assert len(top & set(ours)) >= 4
+        diffs.update({t: round(abs(ours[t].logprob - float(ref[t])), 3) for t in top & set(ours)})
+    assert all(d < bound for d in diffs.values()), diffs
+    llm.engine.check_integrity()
+    return diffs
+
+
+def linear_weight_bytes(llm) -> tuple[int, int]:
+    """(bytes of the decoder layers' linear weights as held, their count of weights): quantized tables
+    at their packed size, dense ones at their dtype's."""
+    from engine.models.quantized import QuantizedLinear
+
+    held = count = 0
+    for layer in llm.engine.runner.model.model.layers:
+        for m in layer.modules():
+            if isinstance(m, QuantizedLinear):
+                held, count = held + m.qweight.nbytes, count + m.qweight.out_features * m.qweight.in_features
+            elif isinstance(m, torch.nn.Linear):
+                held, count = held + m.weight.numel() * m.weight.element_size(), count + m.weight.numel()
+    return held, count
 
 
 def run_checked(engine) -> dict:
