@@ -321,10 +321,6 @@ def _resolve_device(name: str) -> torch.device:
 
 def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
     limit = model.max_position_embeddings
-    if model.sliding_window is not None and model.sliding_window < limit:
-        # Sliding-window attention is not implemented: stay inside the window, where full
-        # attention and windowed attention agree.
-        limit = model.sliding_window
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:

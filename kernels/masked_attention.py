@@ -71,9 +71,30 @@ def masked_paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens
     return out
 
 
+def windowed_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int) -> torch.Tensor:
+    """Decode with a sliding window and no soft cap, the whole batch at once: each sequence's last
+    ``window`` positions gathered (not all of them) and one SDPA call with a padding mask.
+    query [B, Hq, D] -> [B, Hq, D]; rows with seq_len 0 give zeros."""
+    b, hq, d = query.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    lens = seq_lens.to(torch.int64)
+    start = (lens - window).clamp_min(0)  # [B] first visible position
+    width = int((lens - start).max())
+    pos = start[:, None] + torch.arange(width)  # [B, W]
+    valid = pos < lens[:, None]
+    pos = torch.where(valid, pos, start[:, None])  # padding reads a real slot, masked out
+    slots = block_tables.to(torch.int64).gather(1, pos // bs) * bs + pos % bs  # [B, W]
+    k = k_cache.flatten(0, 1).index_select(0, slots.view(-1)).view(b, width, hkv, d).transpose(1, 2)
+    v = v_cache.flatten(0, 1).index_select(0, slots.view(-1)).view(b, width, hkv, d).transpose(1, 2)
+    q = query.view(b, hkv, hq // hkv, d)  # the G heads of a KV group act as G query positions
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(b, hq, d).masked_fill((lens <= 0)[:, None, None], 0.0)
+
+
 def decode_as_prefill(seq_lens: torch.Tensor) -> torch.Tensor:
     """query_start_loc of a decode batch: one query row per sequence."""
     return torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
 
 
-__all__ = ["check_window_softcap", "window_or_softcap_applies", "masked_paged_attention_torch", "decode_as_prefill"]
+__all__ = ["check_window_softcap", "window_or_softcap_applies", "masked_paged_attention_torch", "windowed_decode_torch",
+           "decode_as_prefill"]

@@ -34,6 +34,7 @@ from .masked_attention import (
     decode_as_prefill,
     masked_paged_attention_torch,
     window_or_softcap_applies,
+    windowed_decode_torch,
 )
 from .online_softmax_triton import bind_into
 
@@ -97,6 +98,8 @@ def paged_attention_decode_torch(
     if b == 0:
         return query.new_empty((0, hq, d))
     if window_or_softcap_applies(seq_lens, window, softcap):
+        if softcap == 0 and block_tables.numel():  # a window only: batched over the window's positions
+            return windowed_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, float(scale), window)
         return masked_paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
                                             decode_as_prefill(seq_lens), scale, window, softcap)
     g = hq // hkv

@@ -31,7 +31,7 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     rope_type: str
-    sliding_window: int | None
+    sliding_window: int | None  # unused: kept for callers; every window is in layer_windows
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
@@ -108,9 +108,7 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:  # our rope ops rotate the whole head
         raise InvalidConfigError(f"partial_rotary_factor {partial} is not supported (only 1.0: rope over the whole head).")
-    sliding = raw.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
-        sliding = None
+    windows = _layer_windows(arch, raw)
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
@@ -127,8 +125,27 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         rope_type=rope_type,
-        sliding_window=sliding if isinstance(sliding, int) else None,
+        sliding_window=None,  # windows are per layer (layer_windows); nothing caps max_model_len
+        layer_windows=windows,
         eos_token_ids=_eos_ids(folder, raw),
         bos_token_id=raw.get("bos_token_id"),
         qk_norm=arch == "Qwen3ForCausalLM",
     )
+
+
+def _layer_windows(arch: str, raw: dict) -> tuple[int, ...]:
+    """Each layer's sliding window, as transformers applies it: Mistral's in every layer; Qwen2's and
+    Qwen3's (use_sliding_window) in the layers its layer_types mark "sliding_attention" (by default
+    those from max_window_layers on)."""
+    sliding, n = raw.get("sliding_window"), raw["num_hidden_layers"]
+    if not isinstance(sliding, int) or sliding <= 0:
+        return ()
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not raw.get("use_sliding_window", False):
+            return ()
+        first = raw.get("max_window_layers", n)
+        types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    else:
+        types = raw.get("layer_types") or ["sliding_attention"] * n
+    windows = tuple(sliding if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
