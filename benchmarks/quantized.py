@@ -6,7 +6,9 @@ against llama.cpp's server on the same GGUF (the anchor; benchmarks/peers/instal
     decode tokens/s    single stream and a batch of 8, 128-token prompts, 64 greedy tokens each,
                        decode only (the 1-token run's time subtracted; llama.cpp: its own timings)
     accuracy           mean log-likelihood per token of a fixed held-out text (prompt logprobs),
-                       quantized vs dequantized float32
+                       quantized vs dequantized float32; and perplexity by llama-perplexity's protocol
+                       (chunks of PPL_CTX tokens, the second half of each scored) for ours and for
+                       llama.cpp's own llama-perplexity on the same file and text
 
     PYTHONPATH=. .venv/bin/python benchmarks/quantized.py
 
@@ -15,8 +17,11 @@ Run on a quiet machine. Prints one summary line; writes results/quantized.json +
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
+import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,8 +43,17 @@ HELD_OUT = (
     "which came without warning in the spring and lay on the water for days, so that he had to "
     "sound the horn every two minutes and could not sleep. When the relief keeper arrived in May "
     "he found the log complete to the last entry, written in a steady hand, and a pot of coffee "
-    "still warm on the stove."
+    "still warm on the stove. "
+    "The relief keeper was a younger man who had served on ships before, and he read the log the "
+    "way a sailor reads a chart, looking for the places where the writer had been afraid. He found "
+    "none. The entries for the worst nights were the same length as the entries for the calm ones: "
+    "wind, sea, visibility, the hours of the lamp, the ships that passed and the ships that did not. "
+    "Only once, in February, had the old keeper written something more, a single line at the foot "
+    "of the page saying that a schooner had gone onto the reef to the south and that he had watched "
+    "her lights until they went out. The relief keeper closed the book and went up to the gallery, "
+    "where the wind was already rising, and began to clean the glass."
 )
+PPL_CTX = 128  # llama-perplexity -c: each chunk's second half is scored with its first half as context
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -71,6 +85,34 @@ def mean_loglik(llm: LLM) -> float:
     return sum(scores) / len(scores)
 
 
+def chunk_ppl(llm: LLM, ids: list[int]) -> float:
+    """Perplexity as llama-perplexity computes it (no BOS: this GGUF sets add_bos_token false): the
+    text in chunks of PPL_CTX tokens, each chunk's tokens PPL_CTX/2+1 .. PPL_CTX-1 scored."""
+    nll, count = 0.0, 0
+    for c in range(len(ids) // PPL_CTX):
+        chunk = ids[c * PPL_CTX:(c + 1) * PPL_CTX]
+        out = llm.generate([{"prompt_token_ids": chunk}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        for j in range(PPL_CTX // 2 + 1, PPL_CTX):
+            nll -= out.prompt_logprobs[j][chunk[j]].logprob
+            count += 1
+    return math.exp(nll / count)
+
+
+def llama_perplexity(gguf: Path, text_file: Path) -> float | None:
+    binary = LLAMA_SERVER.parent / "llama-perplexity"
+    if not binary.exists():
+        return None
+    run = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text_file), "-c", str(PPL_CTX), "-b", str(PPL_CTX),
+                          "-t", str(len(os.sched_getaffinity(0)))], capture_output=True, text=True, timeout=600)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+    return float(found.group(1)) if found else None
+
+
+def llama_cpp_tokens(base: str) -> list[int]:
+    return httpx.post(f"{base}/tokenize", json={"content": HELD_OUT}, timeout=60).json()["tokens"]
+
+
 def llama_cpp(gguf: Path) -> dict | None:
     if not LLAMA_SERVER.exists():
         return None
@@ -94,7 +136,7 @@ def llama_cpp(gguf: Path) -> dict | None:
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 timings = list(pool.map(one, prompts(8)))
             batch = max(batch, sum(t["predicted_n"] for t in timings) / max(t["predicted_ms"] for t in timings) * 1e3)
-        return {"single_stream_tok_s": single, "batch8_tok_s": batch}
+        return {"single_stream_tok_s": single, "batch8_tok_s": batch, "held_out_tokens": llama_cpp_tokens(base)}
     finally:
         proc.terminate()
         proc.wait(30)
@@ -103,16 +145,28 @@ def llama_cpp(gguf: Path) -> dict | None:
 def main() -> None:
     gguf = _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL])
     results: dict[str, dict] = {}
-    for name, quantization in (("prefixserve int4", "gguf"), ("prefixserve dequantized fp32", "none")):
-        llm = LLM(model=DEFAULT_MODEL, quantization=quantization, num_kv_blocks=512)
+    runs = (("prefixserve int4", "gguf", "float32"), ("prefixserve int4, bf16 activations", "gguf", "bfloat16"),
+            ("prefixserve dequantized fp32", "none", "float32"))
+    ours_ids: list[int] = []
+    for name, quantization, dtype in runs:
+        llm = LLM(model=DEFAULT_MODEL, quantization=quantization, dtype=dtype, num_kv_blocks=512)
+        ours_ids = llm.get_tokenizer()(HELD_OUT).input_ids
         results[name] = {"weight_bytes": llm.model_info.weight_bytes, "mean_loglik": mean_loglik(llm),
+                         "ppl": chunk_ppl(llm, ours_ids),
                          "single_stream_tok_s": decode_rate(llm, 1), "batch8_tok_s": decode_rate(llm, 8)}
         del llm
     peer = llama_cpp(gguf)
     if peer is not None:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(HELD_OUT)
+        peer["ppl"] = llama_perplexity(gguf, Path(f.name))
+        os.unlink(f.name)
+        peer["same_tokens_as_ours"] = peer.pop("held_out_tokens") == ours_ids
         results["llama.cpp server"] = peer
-    write_json("quantized", {"model": gguf.name, "results": results,
-                             "note": "llama.cpp's log-likelihood is not measured (its server scores no prompt)"})
+    write_json("quantized", {"model": gguf.name, "results": results, "ppl_ctx": PPL_CTX,
+                             "note": "ppl: llama-perplexity's protocol on the held-out text, for llama.cpp its "
+                                     "own llama-perplexity binary; same_tokens_as_ours: llama.cpp's /tokenize "
+                                     "of the text equals our tokenizer's ids"})
     names = list(results)
     bar_plot("quantized", f"{gguf.name}: decode tokens/s", ["single stream", "batch 8"],
              {n: [results[n]["single_stream_tok_s"], results[n]["batch8_tok_s"]] for n in names}, "tokens/s")
@@ -120,11 +174,14 @@ def main() -> None:
     line = (f"quantized: weights {q['weight_bytes'] / 2**20:.1f} vs {d['weight_bytes'] / 2**20:.1f} MiB "
             f"({d['weight_bytes'] / q['weight_bytes']:.1f}x less); decode single {q['single_stream_tok_s']:.1f} vs "
             f"{d['single_stream_tok_s']:.1f} tok/s, batch 8 {q['batch8_tok_s']:.1f} vs {d['batch8_tok_s']:.1f}; "
-            f"mean loglik {q['mean_loglik']:.4f} vs {d['mean_loglik']:.4f}")
+            f"mean loglik {q['mean_loglik']:.4f} vs {d['mean_loglik']:.4f}, ppl {q['ppl']:.2f} vs {d['ppl']:.2f}")
     if peer is not None:
         line += (f"; llama.cpp single {peer['single_stream_tok_s']:.1f}, batch 8 {peer['batch8_tok_s']:.1f} tok/s "
                  f"(ours {q['single_stream_tok_s'] / peer['single_stream_tok_s']:.2f}x, "
-                 f"{q['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x)")
+                 f"{q['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x; bf16 activations "
+                 f"{results['prefixserve int4, bf16 activations']['single_stream_tok_s'] / peer['single_stream_tok_s']:.2f}x, "
+                 f"{results['prefixserve int4, bf16 activations']['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x), "
+                 f"ppl {peer['ppl']}")
     print(line)
 
 
