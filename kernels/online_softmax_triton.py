@@ -1,8 +1,12 @@
 """The online-softmax step over one tile of paged KV, shared by the Triton decode and prefill kernels.
 
-    s = scale * q k^T  (masked: past the sequence, and in prefill past each query's position)
+    s = scale * q k^T  (masked: past the sequence, and in prefill past each query's position;
+                        WINDOWED: keys more than window-1 before the query; SOFTCAP: s = c tanh(s / c))
     m' = max(m, rowmax s);  a = 2^(m - m');  p = 2^(s - m')
     l' = a l + rowsum p;    acc' = a acc + p v
+
+A row may see no key of a tile (a sliding window starts past it): m' stays -inf there and the
+exponents are taken against 0 instead, so a = p = 0 rather than NaN.
 
 Scores are in log2 units (qk_scale = softmax scale * log2 e), so exp2 replaces exp. Like the
 kernels, the function refers to a module global ``tl`` bound at the first launch (see
@@ -20,9 +24,12 @@ _JITTED: dict = {}
 
 
 def paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, kv_end, q_pos, offs_d, d_mask, block_size,
-                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, softcap_log2,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                  WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     # q: [ROWS, BLOCK_D]; m_i, l_i: [ROWS]; acc: [ROWS, BLOCK_D]; positions n0 .. n0 + BLOCK_N - 1
+    # q_pos: each row's position [ROWS] (CAUSAL), else the one query's position (decode; WINDOWED only)
+    # softcap_log2 = softcap * log2(e), in the units of s * qk_scale
     pos = n0 + tl.arange(0, BLOCK_N)
     p_mask = pos < kv_end
     blk = tl.load(bt_row + pos // block_size, mask=p_mask, other=0).to(tl.int64)
@@ -38,12 +45,21 @@ def paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, kv_end, q_pos, o
         s = tl.dot(q, tl.trans(k))
     if CAUSAL:
         visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            visible = visible & (q_pos[:, None] - pos[None, :] < window)
     else:
-        visible = p_mask[None, :]
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+        in_window = p_mask
+        if WINDOWED:
+            in_window = in_window & (q_pos - pos < window)
+        visible = in_window[None, :]
+    s = s * qk_scale
+    if SOFTCAP:  # c tanh(s / c), tanh(x) = 2 sigmoid(2x) - 1 (tl has no tanh)
+        s = softcap_log2 * (2.0 * tl.sigmoid(2.0 * s / softcap_log2) - 1.0)
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet: no NaN
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
                 other=0.0)

@@ -302,6 +302,8 @@ def _decode_kernel(
     part_l_ptr,
     part_acc_ptr,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (WINDOWED): the query sees its last `window` positions
+    softcap_log2,  # soft cap * log2(e) (SOFTCAP)
     tokens_per_split,
     stride_qb,
     stride_qh,
@@ -324,6 +326,8 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # one program per (sequence, kv head, kv split); all G query heads of the group together
     seq = tl.program_id(0).to(tl.int64)
@@ -333,6 +337,8 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     start = split * tokens_per_split
     end = tl.minimum(seq_len, start + tokens_per_split)
+    if WINDOWED:  # skip the keys before the window (a split wholly before it stays empty)
+        start = tl.maximum(start, seq_len - window)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -355,9 +361,9 @@ def _decode_kernel(
     v_head = v_cache_ptr + kvh * stride_vh
 
     for n0 in range(start, end, BLOCK_N):
-        m_i, l_i, acc = paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, end, 0, offs_d, d_mask,
-                                      block_size, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                      BLOCK_N, False, UPCAST, IEEE)
+        m_i, l_i, acc = paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, end, seq_len - 1, offs_d, d_mask,
+                                      block_size, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window,
+                                      softcap_log2, BLOCK_N, False, UPCAST, IEEE, WINDOWED, SOFTCAP)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -443,8 +449,9 @@ def _default_num_splits(b: int, hkv: int, max_ctx: int, device: torch.device) ->
     return max(1, min(cdiv(target, programs), max_ctx // 512, 32))
 
 
-def _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, block_n=None):
-    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale)
+def _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, block_n=None, window=0,
+            softcap=0.0):
+    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     check_triton_device(_OP, k_cache.device)
     out = _common.alloc_output((b, hq, d), query.dtype, query.device)
     if b == 0:
@@ -479,6 +486,8 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=N
         part_l,
         part_acc,
         float(scale) * 1.4426950408889634,
+        int(window),
+        float(softcap) * 1.4426950408889634,
         tokens_per_split,
         query.stride(0),
         query.stride(1),
@@ -501,6 +510,8 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=N
         NUM_SPLITS=num_splits,
         IEEE=query.dtype == torch.float32 or upcast,
         UPCAST=upcast,
+        WINDOWED=window > 0,
+        SOFTCAP=softcap > 0,
     )
     if num_splits > 1:
         reduce = lazy_jit(_REDUCE_KERNELS, _decode_reduce_kernel)
@@ -531,10 +542,5 @@ def paged_attention_decode_triton(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Decode attention over the paged KV cache (Triton). Returns ``[B, Hq, D]`` in query's dtype.
-    A sliding window or soft cap that changes the result goes to the torch reference (the kernel has
-    neither yet)."""
-    _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
-    if window_or_softcap_applies(seq_lens, window, softcap):
-        return paged_attention_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
-    return _launch(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    """Decode attention over the paged KV cache (Triton). Returns ``[B, Hq, D]`` in query's dtype."""
+    return _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap)

@@ -160,6 +160,8 @@ def _prefill_kernel(
     qsl_ptr,
     out_ptr,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (WINDOWED): a query at p sees keys p-window+1 .. p
+    softcap_log2,  # soft cap * log2(e) (SOFTCAP)
     num_seqs,
     stride_qt,
     stride_qh,
@@ -182,6 +184,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,  # keys per iteration
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # Programs over (query tile, kv head). Query tiles of all sequences are numbered
     # contiguously: sequence s owns tiles qsl[s] // BLOCK_Q + s .. qsl[s+1] // BLOCK_Q + s
@@ -234,11 +238,13 @@ def _prefill_kernel(
         bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
         k_head = k_cache_ptr + kvh * stride_kh
         v_head = v_cache_ptr + kvh * stride_vh
-        # every row sees key 0 in the first tile, so m_i is finite from then on
-        for n0 in range(0, kv_end, BLOCK_N):
+        kv_start = 0
+        if WINDOWED:  # keys before the tile's first query's window are seen by no row of it
+            kv_start = tl.maximum(0, ctx_len + tile * BLOCK_Q - window + 1)
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             m_i, l_i, acc = paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, kv_end, q_pos, offs_d,
                                           d_mask, block_size, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                          BLOCK_N, True, UPCAST, IEEE)
+                                          window, softcap_log2, BLOCK_N, True, UPCAST, IEEE, WINDOWED, SOFTCAP)
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -252,8 +258,10 @@ def _prefill_kernel(
 _KERNELS: dict = {}
 
 
-def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, block_m=None, block_n=None):
-    t, hq, d, s, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, block_m=None, block_n=None,
+            window=0, softcap=0.0):
+    t, hq, d, s, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                         window, softcap)
     check_triton_device(_OP, k_cache.device)
     out = _common.alloc_output((t, hq, d), query.dtype, query.device)
     if t == 0 or s == 0:
@@ -277,6 +285,8 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sc
         query_start_loc,
         out,
         float(scale) * 1.4426950408889634,
+        int(window),
+        float(softcap) * 1.4426950408889634,
         s,
         query.stride(0),
         query.stride(1),
@@ -299,6 +309,8 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sc
         BLOCK_N=block_n,
         IEEE=query.dtype == torch.float32 or upcast,
         UPCAST=upcast,
+        WINDOWED=window > 0,
+        SOFTCAP=softcap > 0,
     )
     return out
 
@@ -314,10 +326,6 @@ def paged_attention_prefill_triton(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal prefill attention over the paged KV cache (Triton). Returns ``[T, Hq, D]``. A sliding
-    window or soft cap that changes the result goes to the torch reference (the kernel has neither yet)."""
-    _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap)
-    if window_or_softcap_applies(seq_lens, window, softcap):
-        return paged_attention_prefill_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                             window, softcap)
-    return _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    """Causal prefill attention over the paged KV cache (Triton). Returns ``[T, Hq, D]``."""
+    return _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=window,
+                   softcap=softcap)

@@ -63,36 +63,42 @@ def typer(dt, index_ptrs=(), i64_ptrs=(), f32_ptrs=(), floats=()):
 
 
 FULL = "--full" in sys.argv
+FLOATS = ("qk_scale", "softcap_log2")
+PLAIN = {"WINDOWED": False, "SOFTCAP": False}
+MASKED = {"WINDOWED": True, "SOFTCAP": True}  # sliding window and soft cap (kernels/masked_attention.py)
 for dt in ["bf16", "fp16", "fp32"] if FULL else ["bf16", "fp32"]:
     ieee = dt == "fp32"
     if dt == "fp32" and not FULL:  # only what differs from bf16: the IEEE fp32 dots
         dec_types = typer(dt, index_ptrs=("bt_ptr", "seq_lens_ptr"),
-                          f32_ptrs=("part_m_ptr", "part_l_ptr", "part_acc_ptr"), floats=("qk_scale",))
+                          f32_ptrs=("part_m_ptr", "part_l_ptr", "part_acc_ptr"), floats=FLOATS)
         check(f"decode {dt}", paged_attention_decode._decode_kernel, dec_types,
-              {"BLOCK_G": 16, "BLOCK_D": 64, "BLOCK_N": 64, "NUM_SPLITS": 1, "IEEE": True, "UPCAST": False})
+              {"BLOCK_G": 16, "BLOCK_D": 64, "BLOCK_N": 64, "NUM_SPLITS": 1, "IEEE": True, "UPCAST": False, **PLAIN})
         check(f"prefill {dt} G=4", paged_attention_prefill._prefill_kernel,
-              typer(dt, index_ptrs=("bt_ptr", "seq_lens_ptr", "qsl_ptr"), floats=("qk_scale",)),
+              typer(dt, index_ptrs=("bt_ptr", "seq_lens_ptr", "qsl_ptr"), floats=FLOATS),
               {"BLOCK_Q": 16, "BLOCK_G": 4, "BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_N": 64, "IEEE": True,
-               "UPCAST": False})
+               "UPCAST": False, **PLAIN})
         continue
     check(f"store_kv {dt}", store_kv._store_kv_kernel, typer(dt, i64_ptrs=("slot_ptr",)),
           {"BLOCK_H": 8, "BLOCK_D": 128})
     dec_types = typer(dt, index_ptrs=("bt_ptr", "seq_lens_ptr"),
-                      f32_ptrs=("part_m_ptr", "part_l_ptr", "part_acc_ptr"), floats=("qk_scale",))
+                      f32_ptrs=("part_m_ptr", "part_l_ptr", "part_acc_ptr"), floats=FLOATS)
     for splits in (1, 4):
-        check(f"decode {dt} splits={splits}", paged_attention_decode._decode_kernel, dec_types,
-              {"BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 64, "NUM_SPLITS": splits, "IEEE": ieee, "UPCAST": False})
+        for masks in (PLAIN, MASKED):
+            check(f"decode {dt} splits={splits} {masks}", paged_attention_decode._decode_kernel, dec_types,
+                  {"BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 64, "NUM_SPLITS": splits, "IEEE": ieee, "UPCAST": False,
+                   **masks})
     check(f"decode-reduce {dt}", paged_attention_decode._decode_reduce_kernel, dec_types,
           {"BLOCK_G": 16, "BLOCK_D": 128, "NUM_SPLITS": 4})
-    pre_types = typer(dt, index_ptrs=("bt_ptr", "seq_lens_ptr", "qsl_ptr"), floats=("qk_scale",))
+    pre_types = typer(dt, index_ptrs=("bt_ptr", "seq_lens_ptr", "qsl_ptr"), floats=FLOATS)
     for g in (1, 4, 8):
-        check(f"prefill {dt} G={g}", paged_attention_prefill._prefill_kernel, pre_types,
-              {"BLOCK_Q": 64 // g, "BLOCK_G": g, "BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_N": 64, "IEEE": ieee,
-               "UPCAST": False})
+        for masks in (PLAIN, MASKED):
+            check(f"prefill {dt} G={g} {masks}", paged_attention_prefill._prefill_kernel, pre_types,
+                  {"BLOCK_Q": 64 // g, "BLOCK_G": g, "BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_N": 64, "IEEE": ieee,
+                   "UPCAST": False, **masks})
     # triton specializes int arguments equal to 1 into constexprs
     check(f"prefill {dt} num_seqs=1", paged_attention_prefill._prefill_kernel, pre_types,
           {"num_seqs": 1, "queries_per_kv": 1, "BLOCK_Q": 64, "BLOCK_G": 1, "BLOCK_M": 64, "BLOCK_D": 64,
-           "BLOCK_N": 64, "IEEE": ieee, "UPCAST": False})
+           "BLOCK_N": 64, "IEEE": ieee, "UPCAST": False, **PLAIN})
     check(f"copy_blocks {dt}", copy_blocks._copy_blocks_kernel, typer(dt, i64_ptrs=("mapping_ptr",)),
           {"BLOCK": 4096})
 

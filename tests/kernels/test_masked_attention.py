@@ -94,3 +94,18 @@ def test_bad_window_or_softcap_is_refused(window, softcap):
         with pytest.raises(ValueError, match="window|softcap"):
             ops.paged_attention_prefill(q, k, v, tables, torch.tensor([4], dtype=torch.int32),
                                         torch.tensor([0, 1], dtype=torch.int32), 0.3, window=window, softcap=softcap)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (20, 7.5)])
+def test_triton_decode_window_with_split_kv(num_splits, window, softcap):
+    """Flash-decoding splits wholly before the window stay empty and merge to the same result."""
+    from kernels.paged_attention_decode import _launch
+
+    lens = [1, 17, 40, 90]
+    q, k, v, tables = _case(torch.float32, lens, [1] * len(lens), seed=3)
+    out = _launch(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), 0.3, num_splits=num_splits, block_n=16,
+                  window=window, softcap=softcap)
+    torch.testing.assert_close(out, _expected(q, k, v, tables, lens, [1] * len(lens), 0.3, window, softcap),
+                               atol=2e-5, rtol=2e-5)
