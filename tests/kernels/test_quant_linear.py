@@ -7,7 +7,7 @@ import torch
 
 from kernels.quant_linear import (
     COMPUTE_DTYPE, dequantize, int4_from_float, int4_from_groups, int8_from_channels, int8_from_float,
-    quantized_linear, quantized_linear_reference, quantized_logits,
+    quantized_linear, quantized_linear_reference, quantized_logits, with_onednn_int8,
 )
 
 
@@ -66,15 +66,22 @@ def test_requantization_error_is_bounded():
     assert ((w8 - w).abs() <= w.abs().amax(1, keepdim=True) / 127 * 0.51 + 0.01).all()
 
 
-def test_logits_are_refined_in_float32_where_sampling_looks():
+@pytest.mark.parametrize("onednn", [False, True])
+def test_logits_are_refined_in_float32_where_sampling_looks(onednn):
     w = torch.randn(5000, 64)
     qw = int8_from_float(w)
+    if onednn:
+        qw = with_onednn_int8(qw)
+        if qw.onednn is None:
+            pytest.skip("torch has no oneDNN int8 linear here")
     x = torch.randn(3, 64) * 4
     logits = quantized_logits(x, qw, refine=32)
     exact = x @ (qw.packed.float() * qw.exact_scales[:, None]).t()  # float32 from the same int8 table
     top = exact.topk(8, dim=-1).indices
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), atol=1e-4, rtol=1e-5)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    # the tail: bfloat16 outputs, or (oneDNN) rows quantized to int8 -- within 1% of each row's largest logit
+    assert ((logits - exact).abs().amax(-1) <= 0.01 * exact.abs().amax(-1)).all()
 
 
 def test_stacked_parts_pack_like_separate_weights():
