@@ -97,11 +97,6 @@ def paged_attention_decode_torch(
     b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     if b == 0:
         return query.new_empty((0, hq, d))
-    if window_or_softcap_applies(seq_lens, window, softcap):
-        if softcap == 0 and block_tables.numel():  # a window only: batched over the window's positions
-            return windowed_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, float(scale), window)
-        return masked_paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
-                                            decode_as_prefill(seq_lens), scale, window, softcap)
     g = hq // hkv
     dev = query.device
     lens_host = seq_lens.tolist()
@@ -113,6 +108,11 @@ def paged_attention_decode_torch(
         raise ValueError(
             f"{_OP}: seq_len {hi} needs {nblk} blocks but block_tables has {block_tables.shape[1]} columns"
         )
+    if window_or_softcap_applies(seq_lens, window, softcap):
+        if softcap == 0:  # a window only: batched over the window's positions
+            return windowed_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, float(scale), window)
+        return masked_paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
+                                            decode_as_prefill(seq_lens), scale, window, softcap)
     lens = seq_lens.to(torch.int64)
     blocks = block_tables[:, :nblk].to(torch.int64)
     q = query.reshape(b, hkv, g, d)  # the G heads of a group are G "query positions"

@@ -109,3 +109,11 @@ def test_triton_decode_window_with_split_kv(num_splits, window, softcap):
                   window=window, softcap=softcap)
     torch.testing.assert_close(out, _expected(q, k, v, tables, lens, [1] * len(lens), 0.3, window, softcap),
                                atol=2e-5, rtol=2e-5)
+
+
+def test_windowed_decode_checks_the_block_table_width():
+    q, k, v, tables = _case(torch.float32, [90], [1])
+    for backend in ("torch", "cpu"):
+        with pytest.raises(ValueError, match="columns"):
+            get_ops(backend, "cpu", torch.float32).paged_attention_decode(
+                q, k, v, tables[:, :4], torch.tensor([90], dtype=torch.int32), 0.3, window=5)
