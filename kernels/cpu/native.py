@@ -45,8 +45,9 @@ ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # q, k_cache, v_cache, block_tables, seq_lens, out; B, Hq, Hkv, D, BS, bt_stride, num_blocks;
-# q_sb, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_sb, o_sh; scale; nthreads -> 1 on a bad block id
-DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
+# q_sb, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_sb, o_sh; scale; window (0: none); nthreads
+# -> 1 on a bad block id
+DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _I64, _INT]
 # q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, workspace; workspace floats, S,
 # Hq, Hkv, D, BS, bt_stride, num_blocks; q_st, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_st, o_sh;
 # scale; nthreads -> 1 on a bad block id, 2 on a short workspace, 3 on more queries than positions

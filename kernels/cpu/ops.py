@@ -32,7 +32,6 @@ from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
 from .linear import covers, linear_covered, rows_covered
 from ..interface import KernelOps
-from ..masked_attention import window_or_softcap_applies
 from .paged_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
 from .store_kv import store_kv_cpu
 
@@ -147,15 +146,14 @@ class _BoundCpuOps:
         b, hq, d = query.shape
         nb, bs, hkv, _ = k_cache.shape
         n = self.native
-        if (hq // hkv > n.max_group or d > n.max_head_dim or bs > n.max_block_size
-                or window_or_softcap_applies(seq_lens, window, softcap)):
+        if hq // hkv > n.max_group or d > n.max_head_dim or bs > n.max_block_size or softcap > 0:
             return paged_attention_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
         out = torch.empty((b, hq, d), dtype=self.dtype)  # [B, Hq, D]
         bad = self.decode_fn(
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
             out.data_ptr(), b, hq, hkv, d, bs, block_tables.stride(0), nb, query.stride(0), query.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), hq * d, d, float(scale), torch.get_num_threads())
+            v_cache.stride(2), hq * d, d, float(scale), window, torch.get_num_threads())
         if bad:  # the kernel checks every block id it would read before reading any
             raise IndexError(f"paged_attention_decode: block_tables holds block ids outside [0, {nb})")
         return out

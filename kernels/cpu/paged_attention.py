@@ -10,8 +10,9 @@ The same signatures and contracts as :func:`kernels.paged_attention_decode_torch
 :func:`kernels.paged_attention_prefill_torch` (the references); the launchers check shapes and
 strides and hand raw pointers to the C kernels, which check the block ids they will read before
 reading any. Anything a C kernel does not cover (float16, a group or head larger than it was built
-for, a sliding window shorter than a sequence or a soft cap -- kernels/masked_attention.py -- or no C
-compiler) goes to the torch reference, so these functions are always safe to call.
+for, a soft cap or, in prefill, a sliding window shorter than a sequence -- kernels/masked_attention.py --
+or no C compiler) goes to the torch reference, so these functions are always safe to call. The decode
+kernel reads only a sliding window's positions itself.
 
 Shared prefixes (forks, beams, cache hits) go through the C kernel too: it reads a shared block
 once per sequence, but from cache, and measured faster than the reference's cascade path (which
@@ -47,8 +48,7 @@ def paged_attention_decode_cpu(
     """Decode attention over the paged KV cache with the CPU C kernel (torch fallback)."""
     b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     native = native_kernels()
-    if (native is None or not _supported(native, query, k_cache, v_cache, hq // hkv, d, bs)
-            or window_or_softcap_applies(seq_lens, window, softcap)):
+    if native is None or not _supported(native, query, k_cache, v_cache, hq // hkv, d, bs) or softcap > 0:
         return paged_attention_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     if b == 0:
         return query.new_empty((0, hq, d))
@@ -71,7 +71,7 @@ def paged_attention_decode_cpu(
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
              out.stride(0), out.stride(1),
-             float(scale), torch.get_num_threads())
+             float(scale), int(window), torch.get_num_threads())
     if bad:  # the kernel checks every block id it would read before reading any
         raise IndexError(f"{_OP}: block_tables holds block ids outside [0, {nb})")
     return out

@@ -112,8 +112,36 @@ def test_triton_decode_window_with_split_kv(num_splits, window, softcap):
 
 
 def test_windowed_decode_checks_the_block_table_width():
+    """The checking launchers (the bound C op trusts the model runner's tables, windowed or not)."""
+    from kernels import paged_attention_decode_cpu, paged_attention_decode_torch
+
     q, k, v, tables = _case(torch.float32, [90], [1])
-    for backend in ("torch", "cpu"):
+    for op in (paged_attention_decode_torch, paged_attention_decode_cpu):
         with pytest.raises(ValueError, match="columns"):
-            get_ops(backend, "cpu", torch.float32).paged_attention_decode(
-                q, k, v, tables[:, :4], torch.tensor([90], dtype=torch.int32), 0.3, window=5)
+            op(q, k, v, tables[:, :4], torch.tensor([90], dtype=torch.int32), 0.3, window=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs,d,g", [(16, 64, 3), (32, 64, 2), (32, 32, 4), (16, 128, 1)])
+@pytest.mark.parametrize("window", [1, 7, 16, 21, 40])
+def test_c_decode_reads_only_the_window(dtype, bs, d, g, window):
+    """The C decode kernel's own window (its specialised items for SmolLM2's shapes and the generic
+    one; blocks of 32 hold tiles wholly before a window) against the dense computation."""
+    gen = torch.Generator().manual_seed(window)
+    k, v = (torch.randn(40, bs, 2, d, generator=gen).to(dtype) for _ in range(2))
+    lens = [1, 5, 21, 33, 64, 100]
+    tables = torch.stack([torch.randperm(40, generator=gen)[:8] for _ in lens]).int()
+    q = torch.randn(len(lens), 2 * g, d, generator=gen).to(dtype)
+    ops = get_ops("cpu", "cpu", dtype)
+    out = ops.paged_attention_decode(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), 0.2, window=window)
+    expected = []
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        keep = pos[n - window:] if n > window else pos
+        slots = tables[i, keep // bs].long() * bs + keep % bs
+        kk = k.flatten(0, 1)[slots].float().repeat_interleave(g, 1)  # [K, Hq, D]
+        vv = v.flatten(0, 1)[slots].float().repeat_interleave(g, 1)
+        s = torch.einsum("hd,khd->hk", q[i].float(), kk) * 0.2
+        expected.append(torch.einsum("hk,khd->hd", s.softmax(-1), vv))
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out.float(), torch.stack(expected), **tol)

@@ -41,8 +41,8 @@ static inline void ps_prefetch_block(const void *k, const void *v, int64_t BS, i
 #define PS_DEFINE_ITEM(NAME, T, LOAD, STORE)                                                          \
     static inline __attribute__((always_inline)) void NAME(                                          \
         const T *restrict q, const T *restrict kc, const T *restrict vc, const int32_t *restrict bt_row, \
-        const int64_t len, T *restrict out, const int64_t G, const int64_t D, const int64_t BS,      \
-        const int64_t q_sh, const int64_t k_sb, const int64_t k_ss, const int64_t v_sb,             \
+        const int64_t len, const int64_t start, T *restrict out, const int64_t G, const int64_t D,  \
+        const int64_t BS, const int64_t q_sh, const int64_t k_sb, const int64_t k_ss, const int64_t v_sb, \
         const int64_t v_ss, const int64_t o_sh, const float scale) {                                 \
         float qs[PS_MAX_G * PS_MAX_D], acc[PS_MAX_G * PS_MAX_D], row[PS_MAX_D];                      \
         float s[PS_MAX_G * PS_MAX_BS], m[PS_MAX_G], l[PS_MAX_G];                                     \
@@ -54,15 +54,16 @@ static inline void ps_prefetch_block(const void *k, const void *v, int64_t BS, i
             l[g] = 0.0f;                                                                             \
         }                                                                                            \
         const int64_t nblk = len > 0 ? (len + BS - 1) / BS : 0;                                      \
-        for (int64_t j = 0; j < nblk; ++j) {                                                         \
+        for (int64_t j = start / BS; j < nblk; ++j) {                                                \
             const int64_t blk = bt_row[j];                                                           \
             const int64_t n = len - j * BS < BS ? len - j * BS : BS;                                 \
+            const int64_t t_lo = start > j * BS ? start - j * BS : 0; /* a window starts inside */   \
             const T *kb = kc + blk * k_sb;                                                           \
             const T *vb = vc + blk * v_sb;                                                           \
             if (j + 1 < nblk) /* the next block is elsewhere in the pool: fetch it while we work */ \
                 ps_prefetch_block(kc + (int64_t)bt_row[j + 1] * k_sb, vc + (int64_t)bt_row[j + 1] * v_sb, \
                                   BS, k_ss * (int64_t)sizeof(T), v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T)); \
-            for (int64_t t = 0; t < n; ++t) {                                                        \
+            for (int64_t t = t_lo; t < n; ++t) {                                                     \
                 LOAD(kb + t * k_ss, row, D);                                                         \
                 for (int64_t g = 0; g < G; ++g) {                                                    \
                     const float *qg = qs + g * D;                                                    \
@@ -75,11 +76,11 @@ static inline void ps_prefetch_block(const void *k, const void *v, int64_t BS, i
             for (int64_t g = 0; g < G; ++g) {                                                        \
                 float *sg = s + g * PS_MAX_BS;                                                       \
                 float mx = m[g];                                                                     \
-                for (int64_t t = 0; t < n; ++t) mx = sg[t] > mx ? sg[t] : mx;                        \
+                for (int64_t t = t_lo; t < n; ++t) mx = sg[t] > mx ? sg[t] : mx;                     \
                 const float alpha = ps_exp(m[g] - mx); /* m = -inf at first: exp -> 0 */             \
                 float sum = 0.0f;                                                                    \
                 _Pragma("omp simd reduction(+:sum)")                                                 \
-                for (int64_t t = 0; t < n; ++t) {                                                    \
+                for (int64_t t = t_lo; t < n; ++t) {                                                 \
                     sg[t] = ps_exp(sg[t] - mx);                                                      \
                     sum += sg[t];                                                                    \
                 }                                                                                    \
@@ -88,7 +89,7 @@ static inline void ps_prefetch_block(const void *k, const void *v, int64_t BS, i
                 float *ag = acc + g * D;                                                             \
                 for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;                                      \
             }                                                                                        \
-            for (int64_t t = 0; t < n; ++t) {                                                        \
+            for (int64_t t = t_lo; t < n; ++t) {                                                     \
                 LOAD(vb + t * v_ss, row, D);                                                         \
                 for (int64_t g = 0; g < G; ++g) {                                                    \
                     const float p = s[g * PS_MAX_BS + t];                                            \
@@ -142,8 +143,8 @@ static inline __m512 ps_hsum16(const __m512 *a) {
 #define PS_DEFINE_ITEM_AVX(NAME, T, LOADV, STOREV)                                                    \
     static inline __attribute__((always_inline)) void NAME(                                          \
         const T *restrict q, const T *restrict kc, const T *restrict vc, const int32_t *restrict bt_row, \
-        const int64_t len, T *restrict out, const int64_t G, const int64_t D, const int64_t BS,      \
-        const int64_t q_sh, const int64_t k_sb, const int64_t k_ss, const int64_t v_sb,             \
+        const int64_t len, const int64_t start, T *restrict out, const int64_t G, const int64_t D,  \
+        const int64_t BS, const int64_t q_sh, const int64_t k_sb, const int64_t k_ss, const int64_t v_sb, \
         const int64_t v_ss, const int64_t o_sh, const float scale) {                                 \
         const int64_t DV = D / 16;                                                                   \
         __m512 qs[PS_MAX_G * PS_MAX_D / 16], acc[PS_MAX_G * PS_MAX_D / 16], kv[PS_MAX_D / 16];      \
@@ -158,7 +159,7 @@ static inline __m512 ps_hsum16(const __m512 *a) {
             l[g] = 0.0f;                                                                             \
         }                                                                                            \
         const int64_t nblk = len > 0 ? (len + BS - 1) / BS : 0;                                      \
-        for (int64_t j = 0; j < nblk; ++j) {                                                         \
+        for (int64_t j = start / BS; j < nblk; ++j) {                                                \
             const T *kb = kc + (int64_t)bt_row[j] * k_sb, *vb = vc + (int64_t)bt_row[j] * v_sb;      \
             const int64_t n = len - j * BS < BS ? len - j * BS : BS;                                 \
             if (j + 1 < nblk) /* the next block is elsewhere in the pool: fetch it while we work */ \
@@ -166,7 +167,10 @@ static inline __m512 ps_hsum16(const __m512 *a) {
                                   BS, k_ss * (int64_t)sizeof(T), v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T)); \
             for (int64_t t0 = 0; t0 < n; t0 += 16) {                                                 \
                 const int64_t nt = n - t0 < 16 ? n - t0 : 16;                                        \
-                const __mmask16 valid = (__mmask16)(nt == 16 ? 0xffffu : (1u << nt) - 1u);           \
+                const int64_t skip = start - j * BS - t0; /* tokens before a window start: masked */  \
+                const __mmask16 valid = (__mmask16)((nt == 16 ? 0xffffu : (1u << nt) - 1u)            \
+                                                    & (skip <= 0 ? 0xffffu : skip >= 16 ? 0u : ~((1u << skip) - 1u))); \
+                if (!valid) continue; /* wholly before the window: no score, no NaN from exp(-inf + inf) */ \
                 for (int64_t t = 0; t < 16; ++t) {                                                   \
                     if (t < nt) {                                                                    \
                         const T *kr = kb + (t0 + t) * k_ss;                                          \
@@ -215,7 +219,7 @@ PS_DEFINE_ITEM_AVX(ps_item_avx_bf16, uint16_t, PS_LOADV_BF16, PS_STOREV_BF16)
 /* One work item through the best copy: with AVX-512 and head_dim a multiple of 16, the vector item
  * (specialised for head_dim 64 / block_size 16 with 1-4 query heads per KV head: SmolLM2 has 3,
  * Llama-3 and Qwen2 4 or more); otherwise the portable item (specialised for 64 / 128 with BS 16). */
-#define PS_ITEM_ARGS(G_, D_, BS_) qw, kw, vw, btw, lens[b], ow, G_, D_, BS_, q_sh, k_sb, k_ss, v_sb, v_ss, o_sh, scale
+#define PS_ITEM_ARGS(G_, D_, BS_) qw, kw, vw, btw, lens[b], start, ow, G_, D_, BS_, q_sh, k_sb, k_ss, v_sb, v_ss, o_sh, scale
 #ifdef PS_AVX512
 #define PS_DISPATCH_ITEM(ITEM, AVX_ITEM)                                                              \
     if (D == 64 && BS == 16 && G == 3) AVX_ITEM(PS_ITEM_ARGS(3, 64, 16));                          \
@@ -239,7 +243,7 @@ PS_DEFINE_ITEM_AVX(ps_item_avx_bf16, uint16_t, PS_LOADV_BF16, PS_STOREV_BF16)
                  int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride,      \
                  int64_t NB, int64_t q_sb, int64_t q_sh, int64_t k_sb, int64_t k_ss, int64_t k_sh,  \
                  int64_t v_sb, int64_t v_ss, int64_t v_sh, int64_t o_sb, int64_t o_sh, float scale, \
-                 int nthreads) {                                                                     \
+                 int64_t window, int nthreads) {                                                     \
         if (ps_bad_block_ids(bt, lens, B, BS, bt_stride, NB)) return 1; /* nothing computed */     \
         const int64_t G = Hq / Hkv;                                                                  \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                       \
@@ -249,6 +253,8 @@ PS_DEFINE_ITEM_AVX(ps_item_avx_bf16, uint16_t, PS_LOADV_BF16, PS_STOREV_BF16)
             const T *kw = kc + h * k_sh, *vw = vc + h * v_sh;                                        \
             const int32_t *btw = bt + b * bt_stride;                                                 \
             T *ow = out + b * o_sb + h * G * o_sh;                                                   \
+            /* a sliding window (window > 0): only the last `window` positions are read */           \
+            const int64_t start = window > 0 && lens[b] > window ? lens[b] - window : 0;             \
             PS_DISPATCH_ITEM(ITEM, AVX_ITEM)                                                         \
         }                                                                                            \
         return 0;                                                                                    \
