@@ -5,8 +5,9 @@
     m' = max(m, rowmax s);  a = 2^(m - m');  p = 2^(s - m')
     l' = a l + rowsum p;    acc' = a acc + p v
 
-A row may see no key of a tile (a sliding window starts past it): m' stays -inf there and the
-exponents are taken against 0 instead, so a = p = 0 rather than NaN.
+With a window a row may see no key of a tile (its window starts past it): m' stays -inf there and
+the exponents are taken against 0 instead, so a = p = 0 rather than NaN. Without one every row sees
+key 0 in its first tile, so the guard is compiled in only for WINDOWED.
 
 Scores are in log2 units (qk_scale = softmax scale * log2 e), so exp2 replaces exp. Like the
 kernels, the function refers to a module global ``tl`` bound at the first launch (see
@@ -57,7 +58,9 @@ def paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, kv_end, q_pos, o
         s = softcap_log2 * (2.0 * tl.sigmoid(2.0 * s / softcap_log2) - 1.0)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet: no NaN
+    m_ref = m_new
+    if WINDOWED:  # only a window leaves a row with no visible key yet: exponents against 0, no NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
