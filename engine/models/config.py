@@ -97,7 +97,7 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     if arch in GEMMA3_ARCHITECTURES:
         from engine.models.gemma import gemma3_config
 
-        return gemma3_config(folder, arch, _eos_ids(folder, raw))
+        return gemma3_config(folder, arch, raw, _eos_ids(folder, raw))
     if raw.get("hidden_act", "silu") != "silu":
         raise InvalidConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu).")
     num_heads = raw["num_attention_heads"]

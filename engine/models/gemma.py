@@ -20,7 +20,6 @@ config.json files leave out (``layer_types`` from ``sliding_window_pattern``, th
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -32,12 +31,12 @@ logger = logging.getLogger("prefixserve")
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}
 
 
-def gemma3_config(folder: str | Path, arch: str, eos_token_ids: tuple[int, ...]):
+def gemma3_config(folder: str | Path, arch: str, raw: dict, eos_token_ids: tuple[int, ...]):
+    """``raw``: the folder's config.json as read (a multimodal model ties its embeddings at its top level)."""
     from engine.models.config import ModelConfig
 
     hf = hf_text_config(folder)
-    top = json.loads((Path(folder) / "config.json").read_text())  # a multimodal model ties at its top level
-    tie = top.get("tie_word_embeddings", getattr(hf, "tie_word_embeddings", True))
+    tie = raw.get("tie_word_embeddings", getattr(hf, "tie_word_embeddings", True))
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "gelu_pytorch_tanh")
     if act not in _ACTIVATIONS:
         raise InvalidConfigError(f"hidden_activation {act!r} is not supported; supported: {tuple(_ACTIVATIONS)}.")
