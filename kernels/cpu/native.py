@@ -7,7 +7,8 @@ found, the build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0`` is set, :func:`nativ
 returns None and callers keep the torch path (a warning says why, once).
 
 One source file per op under csrc/: paged_attention_decode.c, paged_attention_prefill.c, store_kv.c,
-linear.c (float32 / bfloat16 for a few rows: decode of beams, samples and small batches), and the
+linear.c (float32 / bfloat16 for a few rows: decode of beams, samples and small batches),
+int4_linear.c (weight-only int4 with int8 activations on AVX512-VNNI), and the
 decoder layer's fused elementwise ops add_rms_norm.c, silu_mul.c, rope.c (their shared rounding
 macros in elementwise.h). All sources (and the shared header ps_cpu.h) build into one library.
 
@@ -38,7 +39,7 @@ DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"{op}.c" for op in ("paged_attention_decode", "paged_attention_prefill", "store_kv", "linear",
-                                             "add_rms_norm", "silu_mul", "rope"))
+                                             "add_rms_norm", "silu_mul", "rope", "int4_linear"))
 HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
@@ -52,6 +53,8 @@ DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 +
 # Hq, Hkv, D, BS, bt_stride, num_blocks; q_st, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_st, o_sh;
 # scale; nthreads -> 1 on a bad block id, 2 on a short workspace, 3 on more queries than positions
 PREFILL_ARGTYPES = [_P] * 8 + [_I64] * 8 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
+# x, packed weight, scales, out; M, N, K, group, x row stride, out row stride; bf16; nthreads -> 1 on no memory
+INT4_LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 6 + [_INT, _INT]
 # x, weight, bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
 LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
 # key, value, k_cache, v_cache, slots (int64); T, row bytes, key/value token strides, cache slot
@@ -76,6 +79,7 @@ class NativeKernels:
     linear_f32: ctypes._CFuncPtr
     linear_bf16: ctypes._CFuncPtr | None  # None without AVX512-BF16 (F.linear then)
     store_kv: ctypes._CFuncPtr
+    int4_linear: ctypes._CFuncPtr | None  # None without AVX512-VNNI (torch's int4 kernel then)
     elementwise: dict[str, ctypes._CFuncPtr]  # "add_rms_norm_f32", "silu_mul_bf16", "rope_f32", ...
     max_linear_rows: int
     max_group: int  # query heads per KV head
@@ -175,7 +179,10 @@ def _load(path: Path) -> NativeKernels:
         getattr(lib, name).restype = ctypes.c_int64
     linear_bf16 = lib.ps_linear_bf16 if lib.ps_linear_bf16_available() else None
     lib.ps_store_kv.argtypes, lib.ps_store_kv.restype = STORE_KV_ARGTYPES, ctypes.c_int64
-    return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, elementwise,
+    lib.ps_int4_linear.argtypes, lib.ps_int4_linear.restype = INT4_LINEAR_ARGTYPES, ctypes.c_int64
+    lib.ps_int4_linear_available.restype = ctypes.c_int64
+    int4_linear = lib.ps_int4_linear if lib.ps_int4_linear_available() else None
+    return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, int4_linear, elementwise,
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
                          lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path)
 

@@ -1,0 +1,172 @@
+#include "ps_cpu.h"
+
+/* ---------------------------------------------------------------------------------------------
+ * Weight-only int4 linear with int8 activations on AVX512-VNNI:
+ *     out[M, N] = x[M, K] @ w[N, K]^T,   w = q * d + m per group of G inputs, q in [0, 15]
+ *
+ * Why: torch's _weight_int4pack_mm_for_cpu decodes every weight to float once per input row, so at
+ * 8 rows it costs about 8 times one row (measured on SmolLM2's 3072x576: ~22.5 us per row) and
+ * decode of a batch spends most of its time there. Here each 4-bit weight is unpacked once (two
+ * AND/shift ops per 128 weights) and multiplied against all rows as bytes by vpdpbusd (64
+ * multiply-adds per instruction), as llama.cpp runs its Q4 formats. Each row is first quantized per
+ * block of 32 inputs into two int8 digits, x = ad (hi + lo / 254) with ad = max|x| / 127 (round to
+ * nearest even): about 16 bits per block where one int8 (llama.cpp's Q8 rows) gave 8, which flipped
+ * SmolLM2's answer to the README's question and cost 0.5% perplexity. Then
+ *
+ *     out[r, n] = sum_b  ad[r, b] / 254 * d[n, g] * sum_{k in b} q[n, k] (254 hi[r, k] + lo[r, k])
+ *                      + m[n, g] * asum[r, b],          asum[r, b] = ad[r, b] * sum_{k in b} (hi + lo / 254)
+ *
+ * with the sum over k in int32 (|.| < 2^24: exact in float32) and the rest in float32.
+ *
+ * Packed layout (kernels/quant_linear.py packs it), per tile of 16 output columns:
+ *     weights [N/16][K/8][16 columns][4 bytes]: byte i of column c at k-octet o holds
+ *             q[c, 8o + i] in its low nibble and q[c, 8o + 4 + i] in its high nibble, so one
+ *             64-byte load is the 16 columns x 8 inputs vpdpbusd wants (low nibbles: inputs
+ *             8o..8o+3 in each lane; high: 8o+4..8o+7)
+ *     scales  [N/16][K/G][2][16] float16: d of the 16 columns, then m
+ * Output columns are split over the threads in tiles of 16; rows go through in passes of up to 8
+ * (8 float accumulators and the 8 unpacked weight vectors of a 32-input block stay in registers).
+ */
+#define PS_Q4_MB 8
+#define PS_Q4_AB 32 /* inputs per activation block (one int8 scale) */
+/* Software prefetch distance in bytes, weights and scales (see the measurement in quant_linear.py). */
+#ifndef PS_Q4_PF
+#define PS_Q4_PF 1024
+#endif
+#define PS_Q4_PF_SCALES 256
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#include <immintrin.h>
+#include <stdlib.h>
+
+static inline __m512 ps_q4_load16(const void *x, int64_t i, int bf16) {
+    return bf16 ? ps_load16_bf16((const uint16_t *)x + i, 0xffff) : _mm512_loadu_ps((const float *)x + i);
+}
+
+static inline __m512i ps_q4_times254(__m512i v) { return _mm512_sub_epi32(_mm512_slli_epi32(v, 8), _mm512_slli_epi32(v, 1)); }
+
+/* Row r of x -> two int8 rows hi, lo [K], ad[K/32] scales, asum[K/32]: per block of 32,
+ * x = ad * (hi + lo / 254) to within ad / 508 (about 16 bits against the block's largest |x|;
+ * 254, not 256, so that lo = round(254 (x / ad - hi)) never leaves [-127, 127]). */
+static void ps_q4_quantize_row(const void *x, int bf16, int64_t K, int8_t *hi, int8_t *lo, float *ad, float *asum) {
+    for (int64_t b = 0; b < K / PS_Q4_AB; ++b) {
+        const __m512 v0 = ps_q4_load16(x, b * PS_Q4_AB, bf16), v1 = ps_q4_load16(x, b * PS_Q4_AB + 16, bf16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i qs = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+            const __m512 xs = _mm512_mul_ps(h ? v1 : v0, inv); /* |xs| <= 127 */
+            const __m512i qh = _mm512_cvtps_epi32(xs);   /* round to nearest even */
+            const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(xs, _mm512_cvtepi32_ps(qh)),
+                                                                _mm512_set1_ps(254.0f))); /* |ql| <= 127 */
+            _mm_storeu_si128((__m128i *)(hi + b * PS_Q4_AB + 16 * h), _mm512_cvtsepi32_epi8(qh));
+            _mm_storeu_si128((__m128i *)(lo + b * PS_Q4_AB + 16 * h), _mm512_cvtsepi32_epi8(ql));
+            qs = _mm512_add_epi32(qs, _mm512_add_epi32(ps_q4_times254(qh), ql));
+        }
+        ad[b] = amax / 127.0f;
+        asum[b] = ad[b] / 254.0f * (float)_mm512_reduce_add_epi32(qs);
+    }
+}
+
+/* One tile of 16 columns for MB rows (a constant at each call site: the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void ps_q4_tile(const int8_t *restrict hi, const int8_t *restrict lo,
+                                                             const float *restrict ad,
+                                                             const float *restrict asum, const int64_t K,
+                                                             const uint8_t *restrict wt, const uint16_t *restrict st,
+                                                             const int64_t G, float *restrict acc, const int MB) {
+    const int64_t nb = K / PS_Q4_AB;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 f[PS_Q4_MB];
+    for (int r = 0; r < MB; ++r) f[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint16_t *sg = st + (b * PS_Q4_AB / G) * 32;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16)));
+        __m512i w[8];
+        _mm_prefetch((const char *)(sg + PS_Q4_PF_SCALES), _MM_HINT_T0);
+        for (int o = 0; o < 4; ++o) {
+            _mm_prefetch((const char *)(wt + (b * 4 + o) * 64 + PS_Q4_PF), _MM_HINT_T0);
+            const __m512i raw = _mm512_loadu_si512(wt + (b * 4 + o) * 64);
+            w[2 * o] = _mm512_and_si512(raw, low);
+            w[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+        for (int r = 0; r < MB; ++r) {
+            const int32_t *ah = (const int32_t *)(hi + r * K + b * PS_Q4_AB);
+            const int32_t *al = (const int32_t *)(lo + r * K + b * PS_Q4_AB);
+            /* four short chains, not one of 16: vpdpbusd's latency bounds a single row */
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+            for (int j = 0; j < 8; j += 2) {
+                h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(ah[j]));
+                h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(ah[j + 1]));
+                l0 = _mm512_dpbusd_epi32(l0, w[j], _mm512_set1_epi32(al[j]));
+                l1 = _mm512_dpbusd_epi32(l1, w[j + 1], _mm512_set1_epi32(al[j + 1]));
+            }
+            /* 254 sum(q hi) + sum(q lo): |s| < 2^24, exact in float32 */
+            const __m512i s = _mm512_add_epi32(ps_q4_times254(_mm512_add_epi32(h0, h1)), _mm512_add_epi32(l0, l1));
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(ad[r * nb + b] * (1.0f / 254))), f[r]);
+            f[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(asum[r * nb + b]), f[r]);
+        }
+    }
+    for (int r = 0; r < MB; ++r) _mm512_storeu_ps(acc + r * 16, f[r]);
+}
+
+/* x [M, K] (float32, or bfloat16 when bf16) with row stride ldx; out [M, N] in x's dtype, row stride
+ * ldo. Needs N % 16 == 0, G % 32 == 0, K % G == 0 (the launcher checks). Returns 1 when the
+ * workspace cannot be allocated. */
+int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
+    const int64_t nb = K / PS_Q4_AB, ntiles = N / 16;
+    int8_t *aq = malloc((size_t)(2 * M * K) + (size_t)(2 * M * nb) * sizeof(float));
+    if (!aq) return 1;
+    int8_t *hi = aq, *lo = aq + M * K;
+    float *ad = (float *)(aq + 2 * M * K), *asum = ad + M * nb;
+    const size_t xsize = bf16 ? 2 : 4;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+            ps_q4_quantize_row((const char *)x + r * ldx * xsize, bf16, K, hi + r * K, lo + r * K, ad + r * nb,
+                               asum + r * nb);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < ntiles; ++t) {
+            const uint8_t *wt = w + t * 8 * K;
+            const uint16_t *st = scales + t * (K / G) * 32;
+            float acc[PS_Q4_MB * 16];
+            for (int64_t m0 = 0; m0 < M; m0 += PS_Q4_MB) {
+                const int mb = M - m0 < PS_Q4_MB ? (int)(M - m0) : PS_Q4_MB;
+                const int8_t *a = hi + m0 * K, *l = lo + m0 * K;
+                const float *sd = ad + m0 * nb, *ss = asum + m0 * nb;
+                switch (mb) { /* constant MB: accumulators in registers */
+                case 1: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 1); break;
+                case 2: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 2); break;
+                case 3: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 3); break;
+                case 4: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 4); break;
+                case 5: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 5); break;
+                case 6: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 6); break;
+                case 7: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 7); break;
+                default: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 8); break;
+                }
+                for (int r = 0; r < mb; ++r) {
+                    const __m512 v = _mm512_loadu_ps(acc + r * 16);
+                    if (bf16)
+                        ps_store16_bf16((uint16_t *)out + (m0 + r) * ldo + t * 16, v, 0xffff);
+                    else
+                        _mm512_storeu_ps((float *)out + (m0 + r) * ldo + t * 16, v);
+                }
+            }
+        }
+    }
+    free(aq);
+    return 0;
+}
+
+int64_t ps_int4_linear_available(void) { return 1; }
+#else
+int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
+    (void)x; (void)w; (void)scales; (void)out; (void)M; (void)N; (void)K; (void)G; (void)ldx; (void)ldo;
+    (void)bf16; (void)nthreads;
+    return 2;
+}
+int64_t ps_int4_linear_available(void) { return 0; } /* no AVX512-VNNI: the launcher keeps torch's int4 kernel */
+#endif

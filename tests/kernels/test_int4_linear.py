@@ -1,0 +1,100 @@
+"""The int4 x int8 C kernel (kernels/cpu/int4_linear.py) against its torch reference, the packing
+against the values packed, and the activations' two int8 digits against the float input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import int4_linear as il
+from kernels.quant_linear import int4_from_groups, quantized_linear, quantized_linear_reference
+
+needs_kernel = pytest.mark.skipif(not il.supports(16, 32, 32), reason="no C compiler or no AVX512-VNNI here")
+
+
+def _parts(n: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    d = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    m = -8 * d + torch.randn(n, k // group, generator=g) * 0.01
+    return q, d, m
+
+
+def test_pack_roundtrips_exactly():
+    q, d, m = _parts(48, 128, 64)
+    packed, scales = il.pack_int4(q, d, m)
+    assert packed.shape == (3, 16, 16, 4) and packed.dtype == torch.uint8 and scales.shape == (3, 2, 2, 16)
+    uq, ud, um = il.unpack_int4(packed, scales)
+    assert torch.equal(uq.int(), q)
+    assert torch.equal(ud, d.half().float()) and torch.equal(um, m.half().float())
+    w = il.dequantize_int4(packed, scales)
+    torch.testing.assert_close(w, q.float() * d.half().float().repeat_interleave(64, 1)
+                               + m.half().float().repeat_interleave(64, 1))
+
+
+def test_activation_digits_carry_sixteen_bits():
+    x = torch.randn(5, 256) * torch.logspace(-3, 2, 256)  # outliers next to small values in every block
+    x[2, :32] = 0  # an all-zero block
+    xq, ad = il.quantize_activations(x)
+    approx = (xq.reshape(5, -1, 32) * ad[..., None]).reshape(5, 256)
+    amax = x.abs().reshape(5, -1, 32).amax(-1).repeat_interleave(32, 1)
+    assert ((approx - x).abs() <= amax / 127 / 254 * 0.5 * 1.001 + amax * 1e-7).all()
+    assert (approx[2, :32] == 0).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 17])
+@pytest.mark.parametrize("n,k,group", [(16, 32, 32), (48, 256, 64), (960, 576, 32), (64, 512, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(m, n, k, group, dtype):
+    q, d, mm = _parts(n, k, group, seed=m)
+    packed, scales = il.pack_int4(q, d, mm)
+    wide = torch.randn(m, k + 24, dtype=dtype) * 3
+    x = wide[:, 5:5 + k]  # rows with a stride other than K
+    x[0, 7] = 40.0  # an outlier in one block
+    out = il.int4_linear_cpu(x, packed, scales, group)
+    ref = il.int4_linear_torch(x, packed, scales, group)
+    assert out.dtype == dtype and out.shape == (m, n)
+    # float32 sums of terms that cancel (q d against the offset m): bounded by the terms' magnitude
+    bound = (il.quantize_activations(x)[0].abs().double() @ il.dequantize_int4(packed, scales).abs().double().t())
+    bound = bound * il.quantize_activations(x)[1].amax().double()
+    tol = 2e-6 if dtype == torch.float32 else 2 ** -8
+    err = (out.double() - ref.double()).abs()
+    assert (err <= tol * (bound + ref.double().abs())).all(), err.max()
+
+
+@needs_kernel
+def test_zero_rows_and_bad_operands():
+    q, d, m = _parts(32, 64, 32)
+    packed, scales = il.pack_int4(q, d, m)
+    assert il.int4_linear_cpu(torch.empty(0, 64), packed, scales, 32).shape == (0, 32)
+    with pytest.raises(ValueError, match="x must be"):
+        il.int4_linear_cpu(torch.randn(2, 63), packed, scales, 32)
+    with pytest.raises(ValueError, match="x must be"):
+        il.int4_linear_cpu(torch.randn(2, 64, dtype=torch.float16), packed, scales, 32)
+    with pytest.raises(ValueError, match="scales"):
+        il.int4_linear_cpu(torch.randn(2, 64), packed, scales, 64)
+    with pytest.raises(ValueError, match="packed"):
+        il.int4_linear_cpu(torch.randn(2, 64), packed[:, :4], scales, 32)
+    with pytest.raises(ValueError, match="pack_int4"):
+        il.pack_int4(q[:20], d[:20], m[:20])  # not a whole tile of 16 columns
+
+
+@needs_kernel
+def test_quantized_weights_take_the_kernel_where_it_applies(monkeypatch):
+    """int4_from_groups packs for the C kernel where it applies, and for torch's int4 kernel where not
+    (no AVX512-VNNI, no compiler); both compute the same linear (within bfloat16 activations for torch's)."""
+    q, d, m = _parts(96, 128, 32)
+    zero = m + 8 * d  # int4_from_groups' convention: w = (q - 8) * scale + zero
+    vnni = int4_from_groups(q, d, zero)
+    assert vnni.layout == "int4_vnni" and vnni.nbytes == 96 * 128 // 2 + 96 * 4 * 2 * 2
+    with monkeypatch.context() as patch:
+        patch.setattr(il, "supports", lambda *shape: False)
+        torch_packed = int4_from_groups(q, d, zero)
+    assert torch_packed.layout == "int4"
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))
+    out = quantized_linear(x, vnni)
+    torch.testing.assert_close(out, quantized_linear_reference(x, vnni), atol=1e-4, rtol=1e-5)
+    dense = x @ (q.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)).t()
+    scale = dense.abs().max().item()
+    torch.testing.assert_close(out, dense, atol=2e-3 * scale, rtol=0)  # float16 d and m, 16-bit activations
+    torch.testing.assert_close(quantized_linear(x, torch_packed), dense, atol=0.02 * scale, rtol=0)
