@@ -12,6 +12,9 @@ process; reports milliseconds and the ratio ("c_ms" is ours).
   step at 4 / 8 / 16 rows: bound by reading ~540 MB (float32) or ~270 MB (bfloat16) of weights;
 * float32 linears through oneDNN (kernels/cpu/onednn_linear.py) vs F.linear (MKL), the same 30
   layers: one decode step at 1 and 64 rows, and a 2,048-token prefill chunk;
+* int4 linears (kernels/cpu/int4_linear.py, AVX512-VNNI) vs torch's int4 kernel
+  (_weight_int4pack_mm_for_cpu), the same 30 layers' weights in groups of 32: one decode step at
+  1 and 8 rows, 64 rows, and a 1,088-token prefill chunk;
 * the decoder layer's elementwise ops (residual add + RMSNorm, SiLU-and-multiply, rotary) at 4
   rows (decode) and 2,048 rows (a prefill chunk).
 
@@ -130,6 +133,40 @@ def _linear_step_cases(label: str, covers, ours, dtype: torch.dtype, repeat: int
     return out
 
 
+def int4_linear_cases(dtype: torch.dtype, repeat: int) -> dict:
+    import dataclasses
+
+    from kernels.cpu import int4_linear
+    from kernels.quant_linear import int4_from_groups, int4_groups_of_float, quantized_linear
+
+    if not int4_linear.supports(HIDDEN, HIDDEN, 32):
+        return {}
+    gen = torch.Generator().manual_seed(5)
+    shapes = [((HQ + 2 * HKV) * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS
+    ours, theirs = [], []
+    for n, k in shapes:
+        parts = int4_groups_of_float(torch.randn(n, k, generator=gen) * 0.05)
+        ours.append(int4_from_groups(*parts))
+        supports, int4_linear.supports = int4_linear.supports, lambda *shape: False
+        try:
+            theirs.append(int4_from_groups(*parts))  # torch's packing
+        finally:
+            int4_linear.supports = supports
+    assert {w.layout for w in ours} == {"int4_vnni"} and {w.layout for w in theirs} == {"int4"}
+    out = {}
+    for rows in (1, 8, 64, 1088):
+        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTER)}
+
+        def step(weights):
+            for w in weights:
+                quantized_linear(xs[w.in_features], w)
+
+        n = max(3, repeat // 4) if rows <= 64 else 3
+        out[f"int4 linears 30 layers, {rows} rows"] = {"c_ms": ms(lambda: step(ours), n),
+                                                        "torch_ms": ms(lambda: step(theirs), n)}
+    return out
+
+
 def elementwise_cases(dtype: torch.dtype, repeat: int) -> dict:
     from kernels import elementwise as ew
 
@@ -180,6 +217,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--name", default="cpu_kernels")
+    ap.add_argument("--cases", nargs="+", default=["attention", "prefill", "linear", "onednn", "int4", "elementwise"])
     args = ap.parse_args()
 
     from kernels.cpu.native import native_kernels
@@ -189,9 +227,9 @@ def main() -> None:
     results = {}
     for name in args.dtypes:
         dtype = getattr(torch, name)
-        cases = {**attention_cases(dtype, args.repeat), **prefill_attention_cases(dtype, args.repeat),
-                 **linear_cases(dtype, args.repeat), **onednn_linear_cases(dtype, args.repeat),
-                 **elementwise_cases(dtype, args.repeat)}
+        groups = {"attention": attention_cases, "prefill": prefill_attention_cases, "linear": linear_cases,
+                  "onednn": onednn_linear_cases, "int4": int4_linear_cases, "elementwise": elementwise_cases}
+        cases = {label: case for g in args.cases for label, case in groups[g](dtype, args.repeat).items()}
         for case in cases.values():
             case["speedup"] = case["torch_ms"] / case["c_ms"]
         results[name] = cases
