@@ -21,16 +21,19 @@ import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks._common import bar_plot, write_json
-from benchmarks.serve import wait_healthy
-from engine import LLM, SamplingParams
-from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import bar_plot, write_json  # noqa: E402
+from benchmarks.serve import wait_healthy  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf  # noqa: E402
 
 LLAMA_SERVER = Path(__file__).resolve().parent / ".peers" / "llama.cpp" / "build" / "bin" / "llama-server"
 TOKENS = 64
