@@ -162,8 +162,11 @@ def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     a row): that moves with every token's rounding before the chosen one, and tensor-parallel ranks
     (another all-reduce order) then sampled other tokens than one rank did."""
     kept = probs.nonzero().squeeze(1)  # [K]
-    noise = torch.empty(kept.numel(), dtype=probs.dtype).exponential_(generator=generator)
-    return kept[(probs[kept] / noise).argmax()]
+    # The K exponentials from numpy's generator, seeded by one draw from the row's: 0.15 vs 0.64 ms
+    # for 40,000 (a flat top-p row) through torch's exponential_; still one stream per seeded row.
+    seed = int(torch.randint(0, 2**62, (), generator=generator))
+    noise = torch.from_numpy(np.random.default_rng(seed).standard_exponential(kept.numel(), dtype=np.float32))
+    return kept[(probs[kept] / noise.to(probs.dtype)).argmax()]
 
 
 def top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
