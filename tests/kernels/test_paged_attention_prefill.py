@@ -170,3 +170,50 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         paged_attention_prefill_triton(**_valid_args())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequences_sharing_a_cached_prefix_attend_it_together_on_cpu(dtype):
+    """Several sequences whose tables start with the same >= 16 cached blocks (one system prompt):
+    the CPU path attends that prefix once for the group (kernels/prefill_cpu.py), then each one's
+    own cached tokens and its new ones, merged by log-sum-exp -- the same as naive attention."""
+    from kernels import prefill_cpu
+
+    bs, hkv, g, d, shared = 8, 3, 3, 64, 18  # 18 shared blocks: a group (>= MIN_SHARED_BLOCKS)
+    assert shared >= prefill_cpu.MIN_SHARED_BLOCKS
+    gen = torch.Generator().manual_seed(5)
+    nb = 200
+    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    prefix = list(range(10, 10 + shared))
+    # (own cached tokens after the prefix, new tokens); the last sequence shares only 5 blocks
+    shapes = [(0, 7), (13, 1), (21, 16), (3, 9)]
+    tables, lens, next_block = [], [], 100
+    for own, new in shapes:
+        n = shared * bs + own + new
+        width = -(-n // bs)
+        tables.append(prefix + list(range(next_block, next_block + width - shared)))
+        next_block += width - shared
+        lens.append(n)
+    tables.append(prefix[:5] + list(range(next_block, next_block + 20)))
+    lens.append(5 * bs + 30)
+    shapes.append((None, 12))
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q_lens = [new for _, new in shapes]
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), hkv * g, d, generator=gen).to(dtype)
+    groups = prefill_cpu._shared_prefixes(block_tables.long(), qsl.tolist(), lens, bs)
+    assert [(m, c) for m, c in groups] == [([0, 1, 2, 3], shared)]
+
+    out = paged_attention_prefill_torch(query, k_cache, v_cache, block_tables, torch.tensor(lens), qsl, d ** -0.5)
+    for i, (n, q_len) in enumerate(zip(lens, q_lens)):
+        slots = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(n)])
+        k = k_cache.flatten(0, 1)[slots].double()  # [n, Hkv, D]
+        v = v_cache.flatten(0, 1)[slots].double()
+        q = query[int(qsl[i]):int(qsl[i + 1])].double().view(q_len, hkv, g, d)
+        s = torch.einsum("qhgd,khd->hgqk", q, k) * d ** -0.5
+        visible = torch.arange(n)[None, :] <= (torch.arange(q_len)[:, None] + n - q_len)
+        p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+        expected = torch.einsum("hgqk,khd->qhgd", p, v).reshape(q_len, hkv * g, d)
+        torch.testing.assert_close(out[int(qsl[i]):int(qsl[i + 1])].double(), expected, **TOL[dtype])
