@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InvalidConfigError
+from engine.models.gemma import gemma3_config_fields
 from engine.models.resolve import GEMMA3_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 # RoPE types whose frequencies are fixed at load time. "dynamic" and "longrope" rescale with the
@@ -95,9 +96,7 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InvalidConfigError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
     if arch in GEMMA3_ARCHITECTURES:
-        from engine.models.gemma import gemma3_config
-
-        return gemma3_config(folder, arch, raw, _eos_ids(folder, raw))
+        return ModelConfig(**gemma3_config_fields(folder, arch, raw, _eos_ids(folder, raw)))
     if raw.get("hidden_act", "silu") != "silu":
         raise InvalidConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu).")
     num_heads = raw["num_attention_heads"]

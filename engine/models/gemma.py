@@ -31,10 +31,10 @@ logger = logging.getLogger("prefixserve")
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}
 
 
-def gemma3_config(folder: str | Path, arch: str, raw: dict, eos_token_ids: tuple[int, ...]):
-    """``raw``: the folder's config.json as read (a multimodal model ties its embeddings at its top level)."""
-    from engine.models.config import ModelConfig
-
+def gemma3_config_fields(folder: str | Path, arch: str, raw: dict, eos_token_ids: tuple[int, ...]) -> dict:
+    """ModelConfig's fields for a Gemma 3 folder (engine/models/config.py builds it: this module does
+    not import that one). ``raw``: the folder's config.json as read (a multimodal model ties its
+    embeddings at its top level)."""
     hf = hf_text_config(folder)
     tie = raw.get("tie_word_embeddings", getattr(hf, "tie_word_embeddings", True))
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "gelu_pytorch_tanh")
@@ -47,7 +47,7 @@ def gemma3_config(folder: str | Path, arch: str, raw: dict, eos_token_ids: tuple
         logger.warning("Gemma 3: attn_logit_softcapping=%s is ignored, as transformers' Gemma 3 does.",
                        hf.attn_logit_softcapping)
     windows = tuple(hf.sliding_window if t == "sliding_attention" else 0 for t in hf.layer_types)
-    return ModelConfig(
+    return dict(
         architecture=arch,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
