@@ -103,7 +103,7 @@ def int8_from_float(w: torch.Tensor) -> QuantizedWeight:
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
-    """The float32 weight [N, K] the kernels compute with (scales as stored, in bfloat16)."""
+    """The float32 weight [N, K] the kernels compute with (scales as stored: bfloat16, int4_vnni float16)."""
     if qw.layout == "int8":
         return qw.packed.float() * qw.scales.float()[:, None]
     if qw.layout == "int4_vnni":
@@ -123,14 +123,16 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     _check(x, qw)
     if qw.layout == "int4_vnni":  # packed and checked by int4_from_groups
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-        y = int4_linear.int4_linear_unchecked(xk, qw.packed, qw.scales, qw.group_size).to(x.dtype)
-        return y if bias is None else y + bias
-    xc = x.to(COMPUTE_DTYPE).contiguous()
-    if qw.layout == "int4":
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, qw.packed, qw.group_size, qw.scales)
+        y = int4_linear.int4_linear_unchecked(xk, qw.packed, qw.scales, qw.group_size)
+    elif qw.layout == "int4":
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(COMPUTE_DTYPE).contiguous(), qw.packed, qw.group_size,
+                                                        qw.scales)
     else:
-        y = torch.ops.aten._weight_int8pack_mm(xc, qw.packed, qw.scales)
-    y = y.to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x.to(COMPUTE_DTYPE).contiguous(), qw.packed, qw.scales)
+    return _with_bias(y.to(x.dtype), bias)
+
+
+def _with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
@@ -188,10 +190,10 @@ def quantized_linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch
     them; int4_vnni: the int8 rows its kernel sees)."""
     _check(x, qw)
     if qw.layout == "int4_vnni":
-        y = int4_linear.int4_linear_torch(x.float(), qw.packed, qw.scales, qw.group_size).to(x.dtype)
-        return y if bias is None else y + bias
-    y = (x.to(COMPUTE_DTYPE).float() @ dequantize(qw).t()).to(x.dtype)
-    return y if bias is None else y + bias
+        y = int4_linear.int4_linear_torch(x.float(), qw.packed, qw.scales, qw.group_size)
+    else:
+        y = x.to(COMPUTE_DTYPE).float() @ dequantize(qw).t()
+    return _with_bias(y.to(x.dtype), bias)
 
 
 def with_quantized_linear(ops):
