@@ -48,30 +48,30 @@ def prefill_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q_len = qsl[i + 1] - qsl[i]
         return query[qsl[i]:qsl[i + 1]].reshape(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * q_len, d)
 
-    parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per sequence: ([Hkv, G*q_len, D], [Hkv, G*q_len])
-    shared: dict[int, int] = {}  # sequence -> tokens of its prefix attended with its group
+    # per sequence in a group: (tokens of its prefix attended with the group, that part's ([Hkv, G*q_len, D], [Hkv, G*q_len]))
+    shared: dict[int, tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for members, c in _shared_prefixes(table, qsl, lens, bs):
         k, v = kv(members[0], 0, c * bs)
         q = torch.cat([rows(i) for i in members], dim=2)  # [1, Hkv, sum G*q_len, D]
         o, lse = _flash(q, k, v, False, scale)
         sizes = [g * (qsl[i + 1] - qsl[i]) for i in members]
         for i, oi, li in zip(members, o[0].split(sizes, dim=1), lse[0].split(sizes, dim=1)):
-            parts[i] = [(oi, li)]
-            shared[i] = c * bs
+            shared[i] = (c * bs, (oi, li))
     for i in range(len(lens)):
         q_len = qsl[i + 1] - qsl[i]
         if q_len == 0:
             continue
-        start, offset = shared.get(i, 0), lens[i] - q_len
-        seq_parts = parts.get(i, [])
+        start, prefix_part = shared.get(i, (0, None))
+        seq_parts = [] if prefix_part is None else [prefix_part]
+        offset = lens[i] - q_len
+        q = rows(i)  # [1, Hkv, G*q_len, D]
         if offset > start:  # cached keys of its own: no mask
             k, v = kv(i, start, offset)
-            o, lse = _flash(rows(i), k, v, False, scale)
+            o, lse = _flash(q, k, v, False, scale)
             seq_parts.append((o[0], lse[0]))
         k, v = kv(i, offset, lens[i])  # the new tokens: square causal, per query head
-        q = query[qsl[i]:qsl[i + 1]].reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, q_len, D]
-        o, lse = _flash(q, k[0].unsqueeze(1).expand(hkv, g, q_len, d), v[0].unsqueeze(1).expand(hkv, g, q_len, d),
-                        True, scale)
+        o, lse = _flash(q[0].view(hkv, g, q_len, d), k[0].unsqueeze(1).expand(hkv, g, q_len, d),
+                        v[0].unsqueeze(1).expand(hkv, g, q_len, d), True, scale)
         seq_parts.append((o.reshape(hkv, g * q_len, d), lse.reshape(hkv, g * q_len)))
         merged = _merge(seq_parts).to(out.dtype)  # [Hkv, G*q_len, D]
         out[qsl[i]:qsl[i + 1]] = merged.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
