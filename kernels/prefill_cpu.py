@@ -9,9 +9,9 @@ for every sequence of the step that starts with it.
 No part needs a mask (the cached ones are visible to every query, the new one is square causal), so
 the G query heads of a KV head become G times the rows against K/V that are not broadcast, and a
 group's questions over one system prompt share one larger product. Measured (2-core Intel Xeon with
-AMX, bfloat16, SmolLM2's 9 / 3 heads): 64 queries after 1,024 cached tokens, 18.7 vs 21.1 ms over
-30 layers than one masked SDPA; 15 such sequences over one shared prefix: see the commit log and
-benchmarks/results/profile_gsp*.json.
+AMX, bfloat16, SmolLM2 on the GSP workload, `benchmarks/profile_gsp.py`): prefill attention 1.35 s
+(results/profile_gsp_amx_session27.json) where one masked SDPA per sequence took 1.94 s
+(results/profile_gsp_amx.json).
 """
 from __future__ import annotations
 
