@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .cpu import int4_linear
+from .cpu.native import cpu_has_int8_dot
 
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -143,8 +144,10 @@ def with_onednn_int8(qw: QuantizedWeight) -> QuantizedWeight:
     """An int8 LM head with its rows also prepacked for oneDNN's int8 x int8 matmul (VNNI / AMX-INT8),
     or the weight as it is where torch has no oneDNN int8 linear. Measured here (2-core Intel Xeon with
     AMX, V=49152, K=576): 0.75 vs 0.95 ms at 1 row, 1.4 vs 3.3 ms at 8 rows for _weight_int8pack_mm.
-    Costs a second copy of the table (28 MiB for SmolLM2)."""
-    if qw.layout != "int8" or qw.exact_scales is None or not hasattr(torch.ops.onednn, "qlinear_prepack"):
+    Costs a second copy of the table (28 MiB for SmolLM2). Not on CPUs without an int8 dot product
+    (cpu_has_int8_dot): oneDNN's AVX2 fallback saturates."""
+    if (qw.layout != "int8" or qw.exact_scales is None or not hasattr(torch.ops.onednn, "qlinear_prepack")
+            or not cpu_has_int8_dot()):
         return qw
     try:
         packed = torch.ops.onednn.qlinear_prepack(qw.packed, [1, qw.in_features])

@@ -50,6 +50,14 @@ def onednn_linear_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+@functools.cache
+def onednn_bf16_supported() -> bool:
+    """oneDNN has bfloat16 kernels on this CPU (AVX512-BF16, AMX or AVX-NE-CONVERT). Without them its
+    bfloat16 weight reorder raises (measured: a 2-core AMD EPYC with AVX2 only), so bfloat16 weights
+    stay plain and F.linear runs them."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when :func:`onednn_linear` runs oneDNN for these operands."""
     # A transposed (non-contiguous) weight is read as if it were row-major by the op: never pass one.
@@ -69,6 +77,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     :func:`packed_linear` reads), or ``weight`` itself where oneDNN or the dtype is not covered."""
     if not (onednn_linear_available() and weight.dtype in PACKED_DTYPES and weight.dim() == 2
             and weight.device.type == "cpu"):
+        return weight
+    if weight.dtype == torch.bfloat16 and not onednn_bf16_supported():
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
 
