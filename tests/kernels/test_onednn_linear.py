@@ -72,3 +72,21 @@ def test_switch_turns_it_off():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PATH": "", ENV_SWITCH: "0"}, cwd=pathlib.Path(__file__).parents[2])
     assert out.stdout.strip() == "False"
+
+
+@needs_onednn
+def test_bfloat16_weights_pack_only_where_onednn_has_bfloat16_kernels(monkeypatch):
+    """Without AVX512-BF16 / AMX (an AVX2-only CPU), oneDNN's bfloat16 reorder raises: such weights stay
+    plain and the bound linear's F.linear runs them; float32 packs either way."""
+    from kernels.cpu import onednn_linear as mod
+
+    torch.manual_seed(2)
+    w = torch.randn(32, 64).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    if mod.onednn_bf16_supported():
+        packed = mod.pack_weight(w)
+        assert packed.is_mkldnn
+        torch.testing.assert_close(mod.packed_linear(x, packed), F.linear(x, w), atol=0.1, rtol=0.02)
+    monkeypatch.setattr(mod, "onednn_bf16_supported", lambda: False)
+    assert mod.pack_weight(w) is w
+    assert mod.pack_weight(w.float()).is_mkldnn

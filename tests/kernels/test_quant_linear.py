@@ -84,6 +84,16 @@ def test_logits_are_refined_in_float32_where_sampling_looks(onednn):
     assert ((logits - exact).abs().amax(-1) <= 0.01 * exact.abs().amax(-1)).all()
 
 
+def test_no_onednn_int8_head_without_an_int8_dot_product(monkeypatch):
+    """On CPUs without VNNI / AMX-INT8, oneDNN's int8 matmul saturates 16-bit pair sums (measured: logits
+    off by 20% of the largest on an AVX2-only AMD EPYC), so the head keeps the bfloat16 kernel there."""
+    import kernels.quant_linear as mod
+
+    qw = int8_from_float(torch.randn(64, 32))
+    monkeypatch.setattr(mod, "cpu_has_int8_dot", lambda: False)
+    assert with_onednn_int8(qw) is qw
+
+
 def test_stacked_parts_pack_like_separate_weights():
     """q, k and v are stacked before packing: the int4 pack tiles rows, so packed tensors of 32-row
     parts cannot be concatenated afterwards (this failed before the weights were stacked unpacked)."""
