@@ -52,8 +52,11 @@ def test_busy_worker_reports_running_requests_and_kv_usage(client, slow_engine):
 
 def test_cache_hit_rate_follows_the_prefix_cache(client, idle_engine):
     prompt = "The same long system prompt, sent twice. " * 8
+    hits_before = idle_engine.stats().get("prefix_cache_hits", 0)
     for _ in range(2):
         assert client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}).status_code == 200
+    # The response can arrive before the loop refreshes its stats snapshot after that step: wait for it.
+    assert wait_until(lambda: idle_engine.stats()["prefix_cache_hits"] > hits_before, 10)
     stats = idle_engine.stats()
     expected = stats["prefix_cache_hits"] / stats["prefix_cache_queries"]
     assert _loads(client).loads[0].cache_hit_rate == expected > 0
