@@ -131,6 +131,12 @@ def cpu_has_amx() -> bool:
 
 
 @functools.cache
+def cpu_has_avx512() -> bool:
+    """The C kernels were built with their AVX-512 paths (-march=native on a CPU with AVX512F/BW/VL)."""
+    return {"avx512f", "avx512bw", "avx512vl"} <= set(_cpu_flags().split())
+
+
+@functools.cache
 def cpu_has_int8_dot() -> bool:
     """The CPU multiplies int8 in 32-bit sums (AVX512-VNNI, AVX-VNNI or AMX-INT8). Without them oneDNN's
     int8 matmul falls back to AVX2's vpmaddubsw, whose 16-bit pair sums saturate: measured on a 2-core

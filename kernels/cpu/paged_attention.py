@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .._common import cdiv
-from .native import NativeKernels, cpu_has_amx, native_kernels
+from .native import NativeKernels, cpu_has_amx, cpu_has_avx512, native_kernels
 from ..masked_attention import window_or_softcap_applies
 from ..paged_attention_decode import _validate, paged_attention_decode_torch
 from ..paged_attention_prefill import _validate as _validate_prefill
@@ -141,8 +141,10 @@ def paged_attention_prefill_cpu(
 
 
 def _prefill_supported(native: NativeKernels, query, k_cache, v_cache, d: int) -> bool:
+    # Only with AVX-512: its GCC vector types split badly on AVX2, where torch's flash attention measured
+    # 13-25x faster (2-core AMD EPYC, AVX2 only; benchmarks/cpu_kernels.py --cases prefill).
     return (
-        query.device.type == "cpu"
+        query.device.type == "cpu" and cpu_has_avx512()
         and (query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and not cpu_has_amx()))
         and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         and d <= native.max_prefill_head_dim and d % native.prefill_head_dim_multiple == 0

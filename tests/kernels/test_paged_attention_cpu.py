@@ -33,8 +33,8 @@ def _lens(bs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# Covers each specialised copy (AVX-512: head_dim 64 / block 16 with 1-4 query heads per KV head,
-# head_dim 128, any multiple of 16 incl. blocks of 32 = two tiles; portable: other head_dims).
+# Covers each specialised copy (AVX-512 or AVX2: head_dim 64 / block 16 with 1-4 query heads per KV head,
+# head_dim 128, any multiple of 16 (AVX2: 8) incl. blocks of 32 = two tiles; portable: other head_dims).
 @pytest.mark.parametrize("g,d,bs", [(1, 64, 16), (2, 64, 16), (3, 64, 16), (4, 64, 16), (3, 128, 16), (4, 32, 8),
                                     (2, 80, 32), (8, 64, 16), (2, 72, 16), (16, 64, 128)])
 def test_cpu_kernel_matches_naive_and_reference(native, g, d, bs, dtype):
@@ -168,13 +168,36 @@ def _prefill_shapes(bs):
 
 
 @pytest.fixture
-def kernel_only(monkeypatch):
+def c_prefill(monkeypatch):
+    """Prefill takes the C kernel as on a CPU with AVX-512, whatever this machine has."""
+    import kernels.cpu.paged_attention as mod
+
+    monkeypatch.setattr(mod, "cpu_has_avx512", lambda: True)
+
+
+@pytest.fixture
+def kernel_only(c_prefill, monkeypatch):
     """Any call that would reach the reference fails, and bfloat16 takes the kernel as on a CPU
-    without AMX (where it does in production), whatever this machine has."""
+    with AVX-512 and without AMX (where it does in production), whatever this machine has: the
+    portable build (AVX2) computes the same, only slower than torch's flash attention."""
     import kernels.cpu.paged_attention as mod
 
     monkeypatch.setattr(mod, "cpu_has_amx", lambda: False)
     monkeypatch.setattr(mod, "paged_attention_prefill_torch", lambda *a: pytest.fail("reached the reference"))
+
+
+def test_prefill_without_avx512_takes_the_torch_path(native, monkeypatch):
+    """On AVX2-only CPUs the kernel's 16-lane vector types split badly: torch's flash attention measured
+    13-25x faster there, so production prefill goes to the reference."""
+    import kernels.cpu.paged_attention as mod
+
+    kv, query, qsl = _prefill_case(_prefill_shapes(16), HKV, 3, 64, 16, seed=5)
+    calls = []
+    monkeypatch.setattr(mod, "cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(mod, "paged_attention_prefill_torch",
+                        lambda *a: calls.append(1) or paged_attention_prefill_torch(*a))
+    paged_attention_prefill_cpu(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, qsl, 0.125)
+    assert calls == [1]
 
 
 # Every query-heads-per-KV-head count the items must split (1, 3, 16 rows per query), head dims the
@@ -199,7 +222,7 @@ def test_cpu_prefill_matches_naive_and_reference(native, kernel_only, g, d, bs, 
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_cpu_prefill_random_batches(native, seed):
+def test_cpu_prefill_random_batches(native, c_prefill, seed):
     """Random batches as the scheduler makes them: mixed chunk sizes after random cached prefixes."""
     rnd = torch.Generator().manual_seed(seed)
     shapes = []
@@ -213,7 +236,7 @@ def test_cpu_prefill_random_batches(native, seed):
                                **TOL[torch.float32])
 
 
-def test_cpu_prefill_int64_metadata_and_strided_query(native):
+def test_cpu_prefill_int64_metadata_and_strided_query(native, c_prefill):
     kv, _, qsl = _prefill_case([(20, 20), (7, 40)], HKV, 3, 64, 16, seed=8)
     qkv = torch.randn(27, HKV * 3 + 2 * HKV, 64)
     query = qkv[:, : HKV * 3]  # the model's q: a strided view of the qkv projection
@@ -238,7 +261,7 @@ def test_cpu_prefill_falls_back_to_reference(native, monkeypatch, dtype, d):
     torch.testing.assert_close(out.double(), _naive_prefill(kv, query, qsl, 0.125), **TOL[dtype])
 
 
-def test_cpu_prefill_bad_block_ids_raise_and_idle_sequences_are_not_read(native):
+def test_cpu_prefill_bad_block_ids_raise_and_idle_sequences_are_not_read(native, c_prefill):
     kv, query, qsl = _prefill_case([(20, 20), (0, 9), (3, 9)], HKV, 3, 64, 16, seed=10)
     tables = kv.block_tables.clone()
     tables[1, 0] = -5  # the sequence without queries is never read: no error, as in the reference
@@ -249,7 +272,7 @@ def test_cpu_prefill_bad_block_ids_raise_and_idle_sequences_are_not_read(native)
         paged_attention_prefill_cpu(query, *kv.caches(), tables, kv.seq_lens_t, qsl, 0.125)
 
 
-def test_cpu_prefill_empty_and_no_queries(native):
+def test_cpu_prefill_empty_and_no_queries(native, c_prefill):
     kv, query, qsl = _prefill_case([(0, 5), (0, 3)], HKV, 2, 64, 16, seed=11)
     out = paged_attention_prefill_cpu(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, qsl, 0.125)
     assert out.shape == (0, HKV * 2, 64)

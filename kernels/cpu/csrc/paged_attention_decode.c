@@ -216,6 +216,100 @@ PS_DEFINE_ITEM_AVX(ps_item_avx_f32, float, PS_LOADV_F32, PS_STOREV_F32)
 PS_DEFINE_ITEM_AVX(ps_item_avx_bf16, uint16_t, PS_LOADV_BF16, PS_STOREV_BF16)
 #endif
 
+#ifdef PS_AVX2
+/* The AVX-512 item's plan in 8-lane AVX2 for head_dim a multiple of 8: tiles of up to 8 tokens, each
+ * token's G dot products left as 8-lane partial sums and the tile's 8 reduced together by ps_hsum8
+ * (lane t = token t, no permutation), the online softmax on those 8 lanes. */
+#define PS_LOAD8_F32(p) _mm256_loadu_ps(p)
+#define PS_LOAD8_BF16(p) ps_load8_bf16(p)
+
+#define PS_DEFINE_ITEM_AVX2(NAME, T, LOADV, STORE)                                                    \
+    static inline __attribute__((always_inline)) void NAME(                                          \
+        const T *restrict q, const T *restrict kc, const T *restrict vc, const int32_t *restrict bt_row, \
+        const int64_t len, const int64_t start, T *restrict out, const int64_t G, const int64_t D,  \
+        const int64_t BS, const int64_t q_sh, const int64_t k_sb, const int64_t k_ss, const int64_t v_sb, \
+        const int64_t v_ss, const int64_t o_sh, const float scale) {                                 \
+        const int64_t DV = D / 8;                                                                    \
+        __m256 qs[PS_MAX_G * PS_MAX_D / 8], acc[PS_MAX_G * PS_MAX_D / 8], kv[PS_MAX_D / 8];         \
+        __m256 part[PS_MAX_G][8];                                                                    \
+        float p[PS_MAX_G][8] __attribute__((aligned(32))), m[PS_MAX_G], l[PS_MAX_G];                \
+        const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                              \
+        for (int64_t g = 0; g < G; ++g) {                                                            \
+            for (int64_t v = 0; v < DV; ++v) {                                                       \
+                qs[g * DV + v] = _mm256_mul_ps(LOADV(q + g * q_sh + 8 * v), _mm256_set1_ps(scale));  \
+                acc[g * DV + v] = _mm256_setzero_ps();                                               \
+            }                                                                                        \
+            m[g] = -INFINITY;                                                                        \
+            l[g] = 0.0f;                                                                             \
+        }                                                                                            \
+        const int64_t nblk = len > 0 ? (len + BS - 1) / BS : 0;                                      \
+        for (int64_t j = start / BS; j < nblk; ++j) {                                                \
+            const T *kb = kc + (int64_t)bt_row[j] * k_sb, *vb = vc + (int64_t)bt_row[j] * v_sb;      \
+            const int64_t n = len - j * BS < BS ? len - j * BS : BS;                                 \
+            if (j + 1 < nblk) /* the next block is elsewhere in the pool: fetch it while we work */ \
+                ps_prefetch_block(kc + (int64_t)bt_row[j + 1] * k_sb, vc + (int64_t)bt_row[j + 1] * v_sb, \
+                                  BS, k_ss * (int64_t)sizeof(T), v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T)); \
+            for (int64_t t0 = 0; t0 < n; t0 += 8) {                                                  \
+                const int64_t nt = n - t0 < 8 ? n - t0 : 8;                                          \
+                const int64_t skip = start - j * BS - t0; /* tokens before a window start: masked */  \
+                if (skip >= nt) continue; /* wholly before the window: no score, no NaN from exp(-inf + inf) */ \
+                /* lane t is a real, in-window token: skip <= t < nt */                               \
+                const __m256 valid = _mm256_castsi256_ps(_mm256_and_si256(                            \
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nt), iota),                            \
+                    _mm256_cmpgt_epi32(iota, _mm256_set1_epi32((int)(skip > 0 ? skip : 0) - 1))));    \
+                for (int64_t t = 0; t < 8; ++t) {                                                    \
+                    if (t < nt) {                                                                    \
+                        const T *kr = kb + (t0 + t) * k_ss;                                          \
+                        for (int64_t v = 0; v < DV; ++v) kv[v] = LOADV(kr + 8 * v);                  \
+                    } else {                                                                         \
+                        for (int64_t v = 0; v < DV; ++v) kv[v] = _mm256_setzero_ps();                \
+                    }                                                                                \
+                    for (int64_t g = 0; g < G; ++g) {                                                \
+                        __m256 d0 = _mm256_mul_ps(qs[g * DV], kv[0]), d1 = _mm256_setzero_ps();      \
+                        for (int64_t v = 1; v + 1 < DV; v += 2) { /* two chains: FMA latency */      \
+                            d1 = _mm256_fmadd_ps(qs[g * DV + v], kv[v], d1);                         \
+                            d0 = _mm256_fmadd_ps(qs[g * DV + v + 1], kv[v + 1], d0);                 \
+                        }                                                                            \
+                        if (DV % 2 == 0) d1 = _mm256_fmadd_ps(qs[g * DV + DV - 1], kv[DV - 1], d1);  \
+                        part[g][t] = _mm256_add_ps(d0, d1);                                          \
+                    }                                                                                \
+                }                                                                                    \
+                for (int64_t g = 0; g < G; ++g) {                                                    \
+                    const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), ps_hsum8(part[g]), valid); \
+                    const float mx = fmaxf(m[g], ps_hmax8(sc));                                      \
+                    const float alpha = ps_exp(m[g] - mx); /* m = -inf at first: exp -> 0 */         \
+                    const __m256 e = _mm256_and_ps(valid, ps_exp8(_mm256_sub_ps(sc, _mm256_set1_ps(mx)))); \
+                    l[g] = l[g] * alpha + ps_hadd8(e);                                               \
+                    m[g] = mx;                                                                       \
+                    _mm256_store_ps(p[g], e);                                                        \
+                    for (int64_t v = 0; v < DV; ++v)                                                 \
+                        acc[g * DV + v] = _mm256_mul_ps(acc[g * DV + v], _mm256_set1_ps(alpha));     \
+                }                                                                                    \
+                for (int64_t t = 0; t < nt; ++t) {                                                   \
+                    const T *vr = vb + (t0 + t) * v_ss;                                              \
+                    for (int64_t v = 0; v < DV; ++v) kv[v] = LOADV(vr + 8 * v);                      \
+                    for (int64_t g = 0; g < G; ++g) {                                                \
+                        const __m256 pg = _mm256_set1_ps(p[g][t]);                                   \
+                        for (int64_t v = 0; v < DV; ++v)                                             \
+                            acc[g * DV + v] = _mm256_fmadd_ps(pg, kv[v], acc[g * DV + v]);           \
+                    }                                                                                \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int64_t g = 0; g < G; ++g) {                                                            \
+            const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f); /* len 0: zeros */ \
+            float o[8] __attribute__((aligned(32)));                                                 \
+            for (int64_t v = 0; v < DV; ++v) {                                                       \
+                _mm256_store_ps(o, _mm256_mul_ps(acc[g * DV + v], inv));                             \
+                for (int i = 0; i < 8; ++i) STORE(out + g * o_sh + 8 * v + i, o[i]);                 \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+PS_DEFINE_ITEM_AVX2(ps_item_avx_f32, float, PS_LOAD8_F32, ps_store_f32)
+PS_DEFINE_ITEM_AVX2(ps_item_avx_bf16, uint16_t, PS_LOAD8_BF16, ps_store_bf16)
+#endif
+
 /* One work item through the best copy: with AVX-512 and head_dim a multiple of 16, the vector item
  * (specialised for head_dim 64 / block_size 16 with 1-4 query heads per KV head: SmolLM2 has 3,
  * Llama-3 and Qwen2 4 or more); otherwise the portable item (specialised for 64 / 128 with BS 16). */
@@ -228,6 +322,15 @@ PS_DEFINE_ITEM_AVX(ps_item_avx_bf16, uint16_t, PS_LOADV_BF16, PS_STOREV_BF16)
     else if (D == 64 && BS == 16 && G == 2) AVX_ITEM(PS_ITEM_ARGS(2, 64, 16));                     \
     else if (D == 128 && BS == 16) AVX_ITEM(PS_ITEM_ARGS(G, 128, 16));                             \
     else if (D % 16 == 0) AVX_ITEM(PS_ITEM_ARGS(G, D, BS));                                        \
+    else ITEM(PS_ITEM_ARGS(G, D, BS));
+#elif defined(PS_AVX2)
+#define PS_DISPATCH_ITEM(ITEM, AVX_ITEM)                                                              \
+    if (D == 64 && BS == 16 && G == 3) AVX_ITEM(PS_ITEM_ARGS(3, 64, 16));                          \
+    else if (D == 64 && BS == 16 && G == 4) AVX_ITEM(PS_ITEM_ARGS(4, 64, 16));                     \
+    else if (D == 64 && BS == 16 && G == 1) AVX_ITEM(PS_ITEM_ARGS(1, 64, 16));                     \
+    else if (D == 64 && BS == 16 && G == 2) AVX_ITEM(PS_ITEM_ARGS(2, 64, 16));                     \
+    else if (D == 128 && BS == 16) AVX_ITEM(PS_ITEM_ARGS(G, 128, 16));                             \
+    else if (D % 8 == 0) AVX_ITEM(PS_ITEM_ARGS(G, D, BS));                                         \
     else ITEM(PS_ITEM_ARGS(G, D, BS));
 #else
 #define PS_DISPATCH_ITEM(ITEM, AVX_ITEM)                                                              \
@@ -262,7 +365,7 @@ PS_DEFINE_ITEM_AVX(ps_item_avx_bf16, uint16_t, PS_LOADV_BF16, PS_STOREV_BF16)
 
 PS_DEFINE_ITEM(ps_item_f32, float, ps_load_f32, ps_store_f32)
 PS_DEFINE_ITEM(ps_item_bf16, uint16_t, ps_load_bf16, ps_store_bf16)
-#ifndef PS_AVX512
+#if !defined(PS_AVX512) && !defined(PS_AVX2)
 #define ps_item_avx_f32 ps_item_f32
 #define ps_item_avx_bf16 ps_item_bf16
 #endif
