@@ -92,8 +92,8 @@ def _linear_fns(dtype: torch.dtype):
     engine's CPU ops run, kernels/cpu/onednn_linear.py), else F.linear."""
     from kernels.cpu.onednn_linear import onednn_linear_available, pack_weight, packed_linear
 
-    if onednn_linear_available():
-        return pack_weight, packed_linear
+    if onednn_linear_available():  # pack_weight leaves what oneDNN cannot pack here (bf16 without AVX512-BF16)
+        return pack_weight, lambda x, w: packed_linear(x, w) if w.is_mkldnn else F.linear(x, w)
     return (lambda w: w), F.linear
 
 

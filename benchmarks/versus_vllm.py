@@ -30,11 +30,12 @@ TARGETS = {"gsp": 2.0, "unique_prompts": 1.2, "n8": 2.0, "beam4": 4.0, "cached_t
 GREEDY = ("gsp", "unique_prompts", "single_stream_decode")
 
 
-def floors(model_path: str) -> dict:
-    """Each workload's floor from the last benchmarks/floor.py run on this machine (same CPU model)."""
+def floors(model_path: str, floor_name: str = "floor") -> dict:
+    """Each workload's floor from the last benchmarks/floor.py run on this machine (same CPU model),
+    results/<floor_name>.json."""
     from benchmarks.floor import WORKLOADS, ModelShape, workload_floor
 
-    path = RESULTS / "floor.json"
+    path = RESULTS / f"{floor_name}.json"
     if not path.exists():
         return {}
     machine = json.loads(path.read_text())["machine"]
@@ -61,21 +62,21 @@ def compare(ours: dict, vllm: dict | None, floor: dict) -> dict:
     return rows
 
 
-def refloor(name: str, model: str) -> None:
+def refloor(name: str, model: str, floor_name: str = "floor") -> None:
     from engine.models.resolve import resolve_model
 
     path = RESULTS / f"{name}.json"
     data = json.loads(path.read_text())
-    floor = floors(str(resolve_model(model)))
+    floor = floors(str(resolve_model(model)), floor_name)
     for dtype, result in data["results"].items():
         for job, row in result["rows"].items():
             row["floor_s"] = floor[dtype][job]
             for side in ("prefixserve", "vllm"):
                 if f"{side}_s" in row:
                     row[f"{side}_x_floor"] = row[f"{side}_s"] / row["floor_s"]
-    data["floor_from"] = json.loads((RESULTS / "floor.json").read_text())["environment"]["date"]
+    data["floor_from"] = json.loads((RESULTS / f"{floor_name}.json").read_text())["environment"]["date"]
     path.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"{name}: floors recomputed from floor.json of {data['floor_from']}")
+    print(f"{name}: floors recomputed from {floor_name}.json of {data['floor_from']}")
 
 
 def main() -> None:
@@ -86,11 +87,12 @@ def main() -> None:
     ap.add_argument("--beam-repeats", type=int, default=3)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--name", default="versus_vllm")
+    ap.add_argument("--floor", default="floor", help="results/<FLOOR>.json from benchmarks/floor.py on this CPU")
     ap.add_argument("--refloor", action="store_true",
                     help="recompute the floor columns of results/<name>.json from the current floor.json, run nothing")
     args = ap.parse_args()
     if args.refloor:
-        return refloor(args.name, args.model)
+        return refloor(args.name, args.model, args.floor)
 
     from transformers import AutoConfig
 
@@ -99,7 +101,7 @@ def main() -> None:
     path = str(resolve_model(args.model))
     jobs = make_jobs(AutoConfig.from_pretrained(path).vocab_size, beam_repeats=args.beam_repeats,
                      workloads=tuple(args.workloads) if args.workloads else None)
-    floor = floors(path)
+    floor = floors(path, args.floor)
     results = {}
     for dtype in args.dtypes:
         vllm = None if args.skip_vllm else run_vllm(path, dtype, jobs)
