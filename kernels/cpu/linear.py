@@ -12,14 +12,35 @@ file for why.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from .native import DTYPE_SUFFIX, NativeKernels, native_kernels
+from .native import DTYPE_SUFFIX, NativeKernels, cpu_has_avx512, native_kernels
 # bfloat16 rows the C kernel takes: above 8 it makes a second pass over each weight row, and
 # oneDNN's AMX path wins (SmolLM2's 30 layers: 13/16/33 ms per step at 4/8/16 rows vs F.linear's
 # 22/23/24 ms).
 BF16_MAX_ROWS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SmallRowsWeight:
+    """A float32 linear weight in both forms, for CPUs where the C kernel beats oneDNN's packed copy at
+    a few rows (:func:`rows_over_packed`): ``plain`` [N, K] (the module's own tensor, no copy) for those
+    rows and ``packed`` (onednn_linear.pack_weight) for the rest."""
+
+    plain: torch.Tensor
+    packed: torch.Tensor
+
+
+def rows_over_packed() -> range:
+    """Row counts the C kernel runs even where a packed oneDNN weight exists: 1-4 on CPUs without
+    AVX-512. Measured (2-core AMD EPYC with AVX2 only, SmolLM2's 30 layers of float32 linears from
+    memory, three runs): 1 row 19-20 ms vs oneDNN's 19-23, 4 rows 19-20 vs 25-26, 8 rows a tie
+    (28-33 vs 30), 16 rows oneDNN ahead (43-47 vs 57-65). With AVX-512 none: there packed oneDNN
+    measured faster in the engine at every row count (onednn_linear.py)."""
+    return range(0) if cpu_has_avx512() else range(1, 5)
 
 
 def rows_covered(native: NativeKernels, dtype: torch.dtype) -> range:

@@ -15,9 +15,12 @@ arithmetic per layer, so Python's share shows. Measured on SmolLM2 float32 (AVX-
 4-row decode forward took 30.3 ms through modules and checking launchers and 24.1 ms through
 direct kernel calls, most of the rest being the weight read.
 
-Linear policy (one place): the C kernel for 2-16 rows in float32 (2-8 in bfloat16 where the CPU
-has AVX512-BF16; see kernels/cpu/linear.py), oneDNN for the other float32 row counts (MKL's sgemm
-takes an AVX2 path on AMD CPUs; kernels/cpu/onednn_linear.py), F.linear otherwise. Without a C
+Linear policy (one place): weights packed for oneDNN at bind run through it at every row count,
+except on CPUs without AVX-512, where 1-4 rows take the C kernel on the plain weight
+(linear.SmallRowsWeight, linear.rows_over_packed); unpacked weights take the C kernel for 2-16 rows
+in float32 (2-8 in bfloat16 where the CPU has AVX512-BF16; see kernels/cpu/linear.py), oneDNN for
+the other float32 row counts (MKL's sgemm takes an AVX2 path on AMD CPUs;
+kernels/cpu/onednn_linear.py), F.linear otherwise. Without a C
 compiler and without oneDNN, W @ x^T for 2-10 float32 rows, which measured faster than F.linear
 on the machine it was tuned on.
 """
@@ -33,7 +36,7 @@ from . import onednn_linear
 from .native import NativeKernels, native_kernels
 from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
-from .linear import covers, linear_covered, rows_covered
+from .linear import SmallRowsWeight, covers, linear_covered, rows_covered, rows_over_packed
 from ..interface import KernelOps
 from .paged_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
 from .store_kv import store_kv_cpu
@@ -59,11 +62,24 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def checked_cpu_ops() -> KernelOps:
     """The launchers: every call checked, the references wherever a C kernel does not apply."""
     return KernelOps("cpu", _checked_linear, add_rms_norm_cpu, silu_mul_cpu, rope_cpu, store_kv_cpu,
-                     paged_attention_decode_cpu, paged_attention_prefill_cpu, copy_blocks_torch,
-                     onednn_linear.pack_weight)
+                     paged_attention_decode_cpu, paged_attention_prefill_cpu, copy_blocks_torch, pack_weight)
 
 
-def _checked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def pack_weight(weight):
+    """oneDNN's packed copy of a float32 / bfloat16 weight (onednn_linear.pack_weight), kept beside the
+    plain one where the C kernel takes some row counts (linear.rows_over_packed); anything else as is."""
+    packed = onednn_linear.pack_weight(weight)
+    if (packed is not weight and weight.dtype == torch.float32 and rows_over_packed()
+            and native_kernels() is not None):
+        return SmallRowsWeight(weight.detach().contiguous(), packed)
+    return packed
+
+
+def _checked_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if type(weight) is SmallRowsWeight:
+        if x.dim() == 2 and x.shape[0] in rows_over_packed():
+            return linear_covered(x, weight.plain, bias)
+        weight = weight.packed
     if weight.is_mkldnn:  # packed at bind (onednn_linear.pack_weight)
         return onednn_linear.checked_packed_linear(x, weight, bias)
     return cpu_linear(x, weight, bias)
@@ -92,6 +108,7 @@ class _BoundCpuOps:
         self.native, self.dtype = native, dtype
         self.c_linear = native.linear_for(dtype)
         self.linear_rows = rows_covered(native, dtype)
+        self.rows_over_packed = rows_over_packed()
         use_onednn = dtype == torch.float32 and onednn_linear.onednn_linear_available()
         self.other_linear = _onednn if use_onednn else F.linear
         self.norm_fn = native.elementwise_for("add_rms_norm", dtype)
@@ -101,14 +118,18 @@ class _BoundCpuOps:
 
     def ops(self) -> KernelOps:
         return KernelOps("cpu", self.linear, self.add_rms_norm, self.silu_mul, self.rope, self.store_kv,
-                         self.decode, paged_attention_prefill_cpu, copy_blocks_torch, onednn_linear.pack_weight)
+                         self.decode, paged_attention_prefill_cpu, copy_blocks_torch, pack_weight)
 
     # x: [M, K] rows contiguous; weight [N, K] and bias [N] contiguous, all in the bound dtype.
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if weight.is_mkldnn:  # packed at bind: oneDNN for every row count (onednn_linear.py)
-            return onednn_linear.packed_linear(x, weight, bias)
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
-        if m not in self.linear_rows:
+        if type(weight) is SmallRowsWeight:  # the C kernel for a few rows, packed oneDNN otherwise
+            if m not in self.rows_over_packed:
+                return onednn_linear.packed_linear(x, weight.packed, bias)
+            weight = weight.plain
+        elif weight.is_mkldnn:  # packed at bind: oneDNN for every row count (onednn_linear.py)
+            return onednn_linear.packed_linear(x, weight, bias)
+        elif m not in self.linear_rows:
             return self.other_linear(x, weight, bias)
         n, k = weight.shape
         out = torch.empty((m, n), dtype=self.dtype)  # [M, N]

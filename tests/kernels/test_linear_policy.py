@@ -1,0 +1,45 @@
+"""The CPU linear policy for packed weights: where the C kernel beats oneDNN's packed copy at a few rows
+(CPUs without AVX-512), the weight is kept in both forms and each row count goes to its faster path."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.cpu.ops as ops_mod
+from kernels.cpu.linear import SmallRowsWeight
+from kernels.cpu.native import native_kernels
+from kernels.cpu.onednn_linear import onednn_linear_available, packed_linear
+
+pytestmark = pytest.mark.skipif(native_kernels() is None or not onednn_linear_available(),
+                                reason="needs the C kernels and oneDNN")
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_few_rows_take_the_c_kernel_and_the_rest_the_packed_copy(monkeypatch, checked):
+    monkeypatch.setattr(ops_mod, "rows_over_packed", lambda: range(1, 5))  # as on an AVX2-only CPU
+    ops = ops_mod.cpu_ops(torch.float32, checked=checked)
+    torch.manual_seed(0)
+    w, b = torch.randn(200, 96), torch.randn(200)
+    packed = ops.pack_weight(w)
+    assert type(packed) is SmallRowsWeight and packed.packed.is_mkldnn
+    assert packed.plain.data_ptr() == w.data_ptr()  # the module's own weight, not a copy
+    assert type(ops.pack_weight(w.bfloat16())) is not SmallRowsWeight  # float32 only
+    c_calls = []
+    real = ops_mod.linear_covered if checked else None
+    if checked:
+        monkeypatch.setattr(ops_mod, "linear_covered", lambda *a: c_calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 3, 4, 5, 8, 64):
+        x = torch.randn(rows, 96)
+        out = ops.linear(x, packed, b)
+        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+        if rows > 4:  # the packed copy, bit for bit
+            assert torch.equal(out, packed_linear(x, packed.packed, b))
+    if checked:
+        assert c_calls == [1, 3, 4]
+
+
+def test_no_second_form_where_packed_wins_everywhere(monkeypatch):
+    monkeypatch.setattr(ops_mod, "rows_over_packed", lambda: range(0))  # as with AVX-512
+    w = torch.randn(64, 32)
+    assert ops_mod.cpu_ops(torch.float32).pack_weight(w).is_mkldnn
