@@ -35,12 +35,12 @@ class SmallRowsWeight:
 
 
 def rows_over_packed() -> range:
-    """Row counts the C kernel runs even where a packed oneDNN weight exists: 1-4 on CPUs without
+    """Row counts the C kernel runs even where a packed oneDNN weight exists: 1-8 on CPUs without
     AVX-512. Measured (2-core AMD EPYC with AVX2 only, SmolLM2's 30 layers of float32 linears from
-    memory, three runs): 1 row 19-20 ms vs oneDNN's 19-23, 4 rows 19-20 vs 25-26, 8 rows a tie
-    (28-33 vs 30), 16 rows oneDNN ahead (43-47 vs 57-65). With AVX-512 none: there packed oneDNN
-    measured faster in the engine at every row count (onednn_linear.py)."""
-    return range(0) if cpu_has_avx512() else range(1, 5)
+    memory, two runs): 1 row 20-23 ms vs oneDNN's 21-26, 4 rows 18-19 vs 25-27, 8 rows 22-26 vs
+    30-33, 16 rows a tie (39-41 vs 40-46). With AVX-512 none: there packed oneDNN measured faster in
+    the engine at every row count (onednn_linear.py)."""
+    return range(0) if cpu_has_avx512() else range(1, 9)
 
 
 def rows_covered(native: NativeKernels, dtype: torch.dtype) -> range:

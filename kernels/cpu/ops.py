@@ -16,7 +16,7 @@ arithmetic per layer, so Python's share shows. Measured on SmolLM2 float32 (AVX-
 direct kernel calls, most of the rest being the weight read.
 
 Linear policy (one place): weights packed for oneDNN at bind run through it at every row count,
-except on CPUs without AVX-512, where 1-4 rows take the C kernel on the plain weight
+except on CPUs without AVX-512, where 1-8 rows take the C kernel on the plain weight
 (linear.SmallRowsWeight, linear.rows_over_packed); unpacked weights take the C kernel for 2-16 rows
 in float32 (2-8 in bfloat16 where the CPU has AVX512-BF16; see kernels/cpu/linear.py), oneDNN for
 the other float32 row counts (MKL's sgemm takes an AVX2 path on AMD CPUs;

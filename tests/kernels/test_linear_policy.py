@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(native_kernels() is None or not onednn_linear_av
 
 @pytest.mark.parametrize("checked", [False, True])
 def test_few_rows_take_the_c_kernel_and_the_rest_the_packed_copy(monkeypatch, checked):
-    monkeypatch.setattr(ops_mod, "rows_over_packed", lambda: range(1, 5))  # as on an AVX2-only CPU
+    monkeypatch.setattr(ops_mod, "rows_over_packed", lambda: range(1, 9))  # as on an AVX2-only CPU
     ops = ops_mod.cpu_ops(torch.float32, checked=checked)
     torch.manual_seed(0)
     w, b = torch.randn(200, 96), torch.randn(200)
@@ -29,14 +29,14 @@ def test_few_rows_take_the_c_kernel_and_the_rest_the_packed_copy(monkeypatch, ch
     real = ops_mod.linear_covered if checked else None
     if checked:
         monkeypatch.setattr(ops_mod, "linear_covered", lambda *a: c_calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, 3, 4, 5, 8, 64):
+    for rows in (1, 3, 4, 5, 8, 9, 64):
         x = torch.randn(rows, 96)
         out = ops.linear(x, packed, b)
         torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-        if rows > 4:  # the packed copy, bit for bit
+        if rows > 8:  # the packed copy, bit for bit
             assert torch.equal(out, packed_linear(x, packed.packed, b))
     if checked:
-        assert c_calls == [1, 3, 4]
+        assert c_calls == [1, 3, 4, 5, 8]
 
 
 def test_no_second_form_where_packed_wins_everywhere(monkeypatch):

@@ -79,8 +79,7 @@ static inline __attribute__((always_inline)) void ps_lin_cols(const float *restr
 }
 #elif defined(PS_AVX2)
 /* AVX2 (16 ymm registers): two weight rows per pass against up to 4 inputs (8 accumulators, two weight
- * vectors, one input vector); inputs 5-8 take a second pass over the tile, which re-reads its weight
- * rows from L2. K's tail goes through masked loads. */
+ * vectors, one input vector). K's tail goes through masked loads. */
 static inline __attribute__((always_inline)) void ps_lin_cols_avx2(const float *restrict x, const int64_t ldx,
                                                                    const float *restrict w, const int64_t K,
                                                                    float *restrict out, const int64_t ldo,
@@ -117,16 +116,37 @@ static inline __attribute__((always_inline)) void ps_lin_cols_avx2(const float *
     }
 }
 
+/* 5-8 inputs: one weight row per pass against all of them (MB accumulators, one weight vector, one
+ * input vector), so each weight row is read once. */
+static inline __attribute__((always_inline)) void ps_lin_cols_avx2_wide(const float *restrict x, const int64_t ldx,
+                                                                        const float *restrict w, const int64_t K,
+                                                                        float *restrict out, const int64_t ldo,
+                                                                        const int64_t n0, const int64_t n1, const int MB) {
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K % 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int64_t n = n0; n < n1; ++n) {
+        const float *w0 = w + n * K;
+        __m256 a0[8];
+        for (int m = 0; m < MB; ++m) a0[m] = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            _mm_prefetch((const char *)(w0 + 2 * PS_LIN_PF * K + k), _MM_HINT_T0);
+            const __m256 v0 = _mm256_loadu_ps(w0 + k);
+            for (int m = 0; m < MB; ++m) a0[m] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
+        }
+        if (K % 8) {
+            const __m256 v0 = _mm256_maskload_ps(w0 + k, tail);
+            for (int m = 0; m < MB; ++m) a0[m] = _mm256_fmadd_ps(v0, _mm256_maskload_ps(x + m * ldx + k, tail), a0[m]);
+        }
+        for (int m = 0; m < MB; ++m) out[m * ldo + n] = ps_hadd8(a0[m]);
+    }
+}
+
 static inline __attribute__((always_inline)) void ps_lin_cols(const float *restrict x, const int64_t ldx,
                                                               const float *restrict w, const int64_t K,
                                                               float *restrict out, const int64_t ldo,
                                                               const int64_t n0, const int64_t n1, const int MB) {
-    if (MB <= 4) {
-        ps_lin_cols_avx2(x, ldx, w, K, out, ldo, n0, n1, MB);
-    } else {
-        ps_lin_cols_avx2(x, ldx, w, K, out, ldo, n0, n1, 4);
-        ps_lin_cols_avx2(x + 4 * ldx, ldx, w, K, out + 4 * ldo, ldo, n0, n1, MB - 4);
-    }
+    if (MB <= 4) ps_lin_cols_avx2(x, ldx, w, K, out, ldo, n0, n1, MB);
+    else ps_lin_cols_avx2_wide(x, ldx, w, K, out, ldo, n0, n1, MB);
 }
 #else
 static inline __attribute__((always_inline)) void ps_lin_cols(const float *restrict x, const int64_t ldx,
