@@ -97,7 +97,7 @@ def cpu_ops(dtype: torch.dtype, *, checked: bool = False) -> KernelOps:
 @functools.cache  # once per process
 def _warn_slow_bfloat16() -> None:
     logger.warning("bfloat16 on a CPU without bfloat16 instructions (AVX512-BF16 / AMX): its matmuls are "
-                   "emulated, measured 6x slower than float32 on an AVX2-only AMD EPYC; --dtype float32 is "
+                   "emulated, measured 6-8x slower than float32 on an AVX2-only AMD EPYC; --dtype float32 is "
                    "faster here.")
 
 
