@@ -78,66 +78,42 @@ static inline __attribute__((always_inline)) void ps_lin_cols(const float *restr
     }
 }
 #elif defined(PS_AVX2)
-/* AVX2 (16 ymm registers): two weight rows per pass against up to 4 inputs (8 accumulators, two weight
- * vectors, one input vector). K's tail goes through masked loads. */
+/* AVX2 (16 ymm registers): NR weight rows per pass against MB inputs, NR x MB accumulators, NR weight
+ * vectors and one input vector in registers: two rows against up to 4 inputs, or one row against 5-8
+ * (each weight row then read once). K's tail goes through masked loads. */
 static inline __attribute__((always_inline)) void ps_lin_cols_avx2(const float *restrict x, const int64_t ldx,
                                                                    const float *restrict w, const int64_t K,
                                                                    float *restrict out, const int64_t ldo,
-                                                                   const int64_t n0, const int64_t n1, const int MB) {
+                                                                   const int64_t n0, const int64_t n1, const int MB,
+                                                                   const int NR) {
     const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K % 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (int64_t n = n0; n < n1; n += 2) {
-        const int two = n + 1 < n1;
-        const float *w0 = w + n * K, *w1 = two ? w0 + K : w0;
-        __m256 a0[4], a1[4];
-        for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+    const int64_t pf = (NR == 2 ? PS_LIN_PF : 2 * PS_LIN_PF) * K; /* the rows 2 (NR = 2) or 4 (NR = 1) ahead */
+    for (int64_t n = n0; n < n1; n += NR) {
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR; /* the last pass may have one row */
+        const float *wr[2] = {w + n * K, w + (n + nr - 1) * K};
+        __m256 a[2][8], v[2];
+        for (int r = 0; r < NR; ++r)
+            for (int m = 0; m < MB; ++m) a[r][m] = _mm256_setzero_ps();
         int64_t k = 0;
         for (; k + 8 <= K; k += 8) {
-            _mm_prefetch((const char *)(w0 + PS_LIN_PF * K + k), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + PS_LIN_PF * K + k), _MM_HINT_T0);
-            const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
+            for (int r = 0; r < NR; ++r) {
+                _mm_prefetch((const char *)(wr[r] + pf + k), _MM_HINT_T0);
+                v[r] = _mm256_loadu_ps(wr[r] + k);
+            }
             for (int m = 0; m < MB; ++m) {
                 const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
-                a0[m] = _mm256_fmadd_ps(v0, xv, a0[m]);
-                a1[m] = _mm256_fmadd_ps(v1, xv, a1[m]);
+                for (int r = 0; r < NR; ++r) a[r][m] = _mm256_fmadd_ps(v[r], xv, a[r][m]);
             }
         }
         if (K % 8) {
-            const __m256 v0 = _mm256_maskload_ps(w0 + k, tail), v1 = _mm256_maskload_ps(w1 + k, tail);
+            for (int r = 0; r < NR; ++r) v[r] = _mm256_maskload_ps(wr[r] + k, tail);
             for (int m = 0; m < MB; ++m) {
                 const __m256 xv = _mm256_maskload_ps(x + m * ldx + k, tail);
-                a0[m] = _mm256_fmadd_ps(v0, xv, a0[m]);
-                a1[m] = _mm256_fmadd_ps(v1, xv, a1[m]);
+                for (int r = 0; r < NR; ++r) a[r][m] = _mm256_fmadd_ps(v[r], xv, a[r][m]);
             }
         }
-        for (int m = 0; m < MB; ++m) {
-            out[m * ldo + n] = ps_hadd8(a0[m]);
-            if (two) out[m * ldo + n + 1] = ps_hadd8(a1[m]);
-        }
-    }
-}
-
-/* 5-8 inputs: one weight row per pass against all of them (MB accumulators, one weight vector, one
- * input vector), so each weight row is read once. */
-static inline __attribute__((always_inline)) void ps_lin_cols_avx2_wide(const float *restrict x, const int64_t ldx,
-                                                                        const float *restrict w, const int64_t K,
-                                                                        float *restrict out, const int64_t ldo,
-                                                                        const int64_t n0, const int64_t n1, const int MB) {
-    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K % 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (int64_t n = n0; n < n1; ++n) {
-        const float *w0 = w + n * K;
-        __m256 a0[8];
-        for (int m = 0; m < MB; ++m) a0[m] = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            _mm_prefetch((const char *)(w0 + 2 * PS_LIN_PF * K + k), _MM_HINT_T0);
-            const __m256 v0 = _mm256_loadu_ps(w0 + k);
-            for (int m = 0; m < MB; ++m) a0[m] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(x + m * ldx + k), a0[m]);
-        }
-        if (K % 8) {
-            const __m256 v0 = _mm256_maskload_ps(w0 + k, tail);
-            for (int m = 0; m < MB; ++m) a0[m] = _mm256_fmadd_ps(v0, _mm256_maskload_ps(x + m * ldx + k, tail), a0[m]);
-        }
-        for (int m = 0; m < MB; ++m) out[m * ldo + n] = ps_hadd8(a0[m]);
+        for (int m = 0; m < MB; ++m)
+            for (int r = 0; r < nr; ++r) out[m * ldo + n + r] = ps_hadd8(a[r][m]);
     }
 }
 
@@ -145,8 +121,8 @@ static inline __attribute__((always_inline)) void ps_lin_cols(const float *restr
                                                               const float *restrict w, const int64_t K,
                                                               float *restrict out, const int64_t ldo,
                                                               const int64_t n0, const int64_t n1, const int MB) {
-    if (MB <= 4) ps_lin_cols_avx2(x, ldx, w, K, out, ldo, n0, n1, MB);
-    else ps_lin_cols_avx2_wide(x, ldx, w, K, out, ldo, n0, n1, MB);
+    if (MB <= 4) ps_lin_cols_avx2(x, ldx, w, K, out, ldo, n0, n1, MB, 2);
+    else ps_lin_cols_avx2(x, ldx, w, K, out, ldo, n0, n1, MB, 1);
 }
 #else
 static inline __attribute__((always_inline)) void ps_lin_cols(const float *restrict x, const int64_t ldx,
