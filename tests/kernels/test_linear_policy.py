@@ -25,9 +25,8 @@ def test_few_rows_take_the_c_kernel_and_the_rest_the_packed_copy(monkeypatch, ch
     assert type(packed) is SmallRowsWeight and packed.packed.is_mkldnn
     assert packed.plain.data_ptr() == w.data_ptr()  # the module's own weight, not a copy
     assert type(ops.pack_weight(w.bfloat16())) is not SmallRowsWeight  # float32 only
-    c_calls = []
-    real = ops_mod.linear_covered if checked else None
-    if checked:
+    c_calls, real = [], ops_mod.linear_covered
+    if checked:  # the bound ops call the C entry point directly: only the checking path can be counted
         monkeypatch.setattr(ops_mod, "linear_covered", lambda *a: c_calls.append(a[0].shape[0]) or real(*a))
     for rows in (1, 3, 4, 5, 8, 9, 64):
         x = torch.randn(rows, 96)
