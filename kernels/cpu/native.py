@@ -137,6 +137,13 @@ def cpu_has_avx512() -> bool:
 
 
 @functools.cache
+def cpu_has_bf16_pairs() -> bool:
+    """The C kernels were built with AVX512-BF16 (vdpbf16ps: bfloat16 pairs into float32 sums), which
+    bfloat16 prefill attention and small bfloat16 linears use."""
+    return cpu_has_avx512() and "avx512_bf16" in _cpu_flags().split()
+
+
+@functools.cache
 def cpu_has_int8_dot() -> bool:
     """The CPU multiplies int8 in 32-bit sums (AVX512-VNNI, AVX-VNNI or AMX-INT8). Without them oneDNN's
     int8 matmul falls back to AVX2's vpmaddubsw, whose 16-bit pair sums saturate: measured on a 2-core

@@ -30,6 +30,8 @@
  * float32 math: the gather widens K and V once, q is widened as it is loaded and out rounded once
  * (round to nearest even) as it is stored. torch's SDPA does the same in bfloat16 and, on this
  * project's AVX-512 machine without AMX, measured no faster than in float32 (2.6-3x slower than this).
+ * Where the CPU has AVX512-BF16, bfloat16 takes ps_prefill_item_dp instead: the same item with both
+ * products on bf16 pairs (K and V gathered as bfloat16, not widened).
  */
 #include <stdlib.h>
 
@@ -149,6 +151,129 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
     }
 }
 
+#if defined(__AVX512BF16__) && defined(PS_AVX512)
+#define PS_PF_DP 1
+/* bfloat16 with AVX512-BF16: the item above with both products on vdpbf16ps, which multiplies 16
+ * lanes of bf16 pairs and adds each pair's two products into a float32 lane, so one instruction does
+ * the work of two FMAs. Gathered K stays bfloat16 in position rows (a pair of d is one 32-bit word);
+ * gathered V holds position pairs (ps_gather_vpairs: v[t][d] and v[t+1][d] in one word). Scores,
+ * the softmax and the output sums stay float32; the probabilities round to bfloat16 before P.V (as
+ * FlashAttention does on GPUs), so a result may differ from the float32 math by up to 2^-9 of the
+ * largest |V| (tests/kernels/test_paged_attention_cpu.py). The scale is folded into the exp. */
+static inline __attribute__((always_inline)) void ps_prefill_item_dp(
+    const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
+    const int64_t o_sh, const uint16_t *restrict K, const uint32_t *restrict V, const int64_t offset, const int64_t r0,
+    const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale) {
+    __m512bh qt[PS_PF_MAX_D / 2][PS_PF_NV]; /* lane r: q[row r][2i], q[row r][2i+1] */
+    __m512 ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
+    int64_t row_o[PS_PF_ROWS];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    /* bf16 element 2l of a pair vector from lane l of the first operand of cvtne2ps (its low half),
+     * 2l + 1 from lane l of the second (its high half) */
+    __m512i interleave;
+    {
+        uint16_t idx[32];
+        for (int i = 0; i < 32; ++i) idx[i] = (uint16_t)(i % 2 ? 16 + i / 2 : i / 2);
+        interleave = _mm512_loadu_si512(idx);
+    }
+    for (int j = 0; j < PS_PF_NV; ++j) {
+        uint32_t qw[PS_PF_MAX_D / 2][16];
+        float pj[16];
+        for (int l = 0; l < 16; ++l) {
+            const int64_t r0l = r0 + 16 * j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
+            pj[l] = (float)(offset + qi);
+            row_o[16 * j + l] = qi * o_st + k * o_sh;
+            const uint16_t *qr = q + qi * q_st + k * q_sh;
+            for (int64_t i = 0; i < D / 2; ++i) qw[i][l] = (uint32_t)qr[2 * i] | (uint32_t)qr[2 * i + 1] << 16;
+        }
+        for (int64_t i = 0; i < D / 2; ++i) qt[i][j] = (__m512bh)_mm512_loadu_si512(qw[i]);
+        pos[j] = _mm512_loadu_ps(pj);
+        m[j] = _mm512_set1_ps(-INFINITY);
+        lsum[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) ot[d][j] = _mm512_setzero_ps();
+    }
+    const int64_t last = r0 + PS_PF_ROWS - 1 < nrows ? r0 + PS_PF_ROWS - 1 : nrows - 1;
+    const int64_t first_pos = offset + r0 / G, kend = offset + last / G + 1;
+    for (int64_t k0 = 0; k0 < kend; k0 += 16) {
+        const uint16_t *kt = K + k0 * D;
+        const uint32_t *vt = V + k0 / 2 * D; /* 8 position pairs of D words */
+        __m512 s[PS_PF_NV][16];
+        for (int t0 = 0; t0 < 16; t0 += PS_PF_KH) {
+            __m512 acc[PS_PF_NV][PS_PF_KH];
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int t = 0; t < PS_PF_KH; ++t) acc[j][t] = _mm512_setzero_ps();
+            const uint16_t *kd = kt + t0 * D;
+            for (int64_t i = 0; i < D / 2; ++i, kd += 2)
+                for (int t = 0; t < PS_PF_KH; ++t) {
+                    const __m512bh kb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(kd + t * D));
+                    for (int j = 0; j < PS_PF_NV; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qt[i][j], kb);
+                }
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int t = 0; t < PS_PF_KH; ++t) s[j][t0 + t] = acc[j][t];
+        }
+        __m512 alpha[PS_PF_NV];
+        __m512bh p2[PS_PF_NV][8]; /* lane r: p[r][2u], p[r][2u + 1] in bfloat16 */
+        for (int j = 0; j < PS_PF_NV; ++j) {
+            if (k0 + 15 > first_pos)
+                for (int t = 0; t < 16; ++t)
+                    s[j][t] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + t)), pos[j], _CMP_LE_OQ),
+                                                   _mm512_set1_ps(-INFINITY), s[j][t]);
+            __m512 mt = s[j][0];
+            for (int t = 1; t < 16; ++t) mt = _mm512_max_ps(mt, s[j][t]);
+            const __m512 mnew = _mm512_max_ps(m[j], _mm512_mul_ps(mt, vscale)); /* m: scaled scores */
+            alpha[j] = ps_exp16(_mm512_sub_ps(m[j], mnew));
+            lsum[j] = _mm512_mul_ps(lsum[j], alpha[j]);
+            for (int t = 0; t < 16; ++t) {
+                s[j][t] = ps_exp16(_mm512_fmsub_ps(s[j][t], vscale, mnew));
+                lsum[j] = _mm512_add_ps(lsum[j], s[j][t]);
+            }
+            for (int u = 0; u < 8; ++u)
+                p2[j][u] = (__m512bh)_mm512_permutexvar_epi16(
+                    interleave, (__m512i)_mm512_cvtne2ps_pbh(s[j][2 * u + 1], s[j][2 * u]));
+            m[j] = mnew;
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += PS_PF_DB) {
+            __m512 o[PS_PF_NV][PS_PF_DB];
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int i = 0; i < PS_PF_DB; ++i) o[j][i] = _mm512_mul_ps(ot[d0 + i][j], alpha[j]);
+            for (int u = 0; u < 8; ++u)
+                for (int i = 0; i < PS_PF_DB; ++i) {
+                    const __m512bh vb = (__m512bh)_mm512_set1_epi32((int32_t)vt[u * D + d0 + i]);
+                    for (int j = 0; j < PS_PF_NV; ++j) o[j][i] = _mm512_dpbf16_ps(o[j][i], p2[j][u], vb);
+                }
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int i = 0; i < PS_PF_DB; ++i) ot[d0 + i][j] = o[j][i];
+        }
+    }
+    for (int j = 0; j < PS_PF_NV; ++j) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), lsum[j]);
+        float ov[16];
+        for (int64_t d = 0; d < D; ++d) {
+            _mm512_storeu_ps(ov, _mm512_mul_ps(ot[d][j], inv));
+            for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) out[row_o[16 * j + l] + d] = ps_f32_to_bf16(ov[l]);
+        }
+    }
+}
+
+/* Positions [p0, p1) of KV head h of a bfloat16 cache as position pairs: word (p / 2) * D + d of dst
+ * holds v[p][d] in its low half and v[p + 1][d] in its high half (p even; p0 even, the pair past
+ * p1 is zero). */
+static void ps_gather_vpairs(const uint16_t *cache, const int32_t *bt_row, int64_t p0, int64_t p1, int64_t BS,
+                             int64_t c_sb, int64_t c_ss, int64_t c_sh, int64_t h, int64_t D, uint32_t *dst) {
+    for (int64_t p = p0; p < p1; p += 2) {
+        const uint16_t *a = cache + (int64_t)bt_row[p / BS] * c_sb + (p % BS) * c_ss + h * c_sh;
+        const uint16_t *b = p + 1 < p1 ? cache + (int64_t)bt_row[(p + 1) / BS] * c_sb + ((p + 1) % BS) * c_ss + h * c_sh
+                                       : NULL;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __mmask16 mk = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a + d));
+            const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, b + d)) : _mm512_setzero_si512();
+            _mm512_mask_storeu_epi32(dst + p / 2 * D + d, mk, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+#endif
+
 /* Positions [p0, p1) of KV head h into the gathered float32 rows dst, one row of D per position
  * (from a float32 or, bf16 = 1, a bfloat16 cache; strides in elements). */
 static inline __attribute__((always_inline)) void ps_gather(const void *cache, const int32_t *bt_row, int64_t p0,
@@ -175,6 +300,8 @@ static int64_t ps_owner(const int64_t *starts, int64_t n, int64_t w) {
 
 #define PS_PF_ITEM_ARGS(D_, BF16_) \
     qs, q_st, q_sh, os, o_st, o_sh, Kh, Vh, len[s] - ql, r0, ql * G, G, h, D_, scale, BF16_
+#define PS_PF_DP_ARGS(D_) \
+    (const uint16_t *)qs, q_st, q_sh, (uint16_t *)os, o_st, o_sh, Kb, Vp, len[s] - ql, r0, ql * G, G, h, D_, scale
 #define PS_PF_ITEM_FOR_D(BF16_)                                               \
     do {                                                                      \
         if (D == 64) ps_prefill_item(PS_PF_ITEM_ARGS(64, BF16_));             \
@@ -224,6 +351,21 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
             const int64_t h = c / (lp / 16), p0 = c % (lp / 16) * 16;
             const int64_t p1 = p0 + 16 < len[s] ? p0 + 16 : len[s];
             float *Kh = ws + kv_at[s] + h * lp * D, *Vh = Kh + Hkv * lp * D;
+#ifdef PS_PF_DP
+            if (bf16) { /* bfloat16 rows of K and position pairs of V (ps_prefill_item_dp) */
+                uint16_t *Kb = (uint16_t *)(ws + kv_at[s]) + h * lp * D;
+                uint32_t *Vp = (uint32_t *)(ws + kv_at[s] + Hkv * lp * D) + h * (lp / 2) * D;
+                const int32_t *bt_row = bt + s * bt_stride;
+                for (int64_t p = p0; p < p1; ++p)
+                    memcpy(Kb + p * D, (const uint16_t *)kc + (int64_t)bt_row[p / BS] * k_sb + (p % BS) * k_ss + h * k_sh,
+                           (size_t)D * sizeof(uint16_t));
+                memset(Kb + p1 * D, 0, (size_t)((p0 + 16 - p1) * D) * sizeof(uint16_t));
+                ps_gather_vpairs(vc, bt_row, p0, p1, BS, v_sb, v_ss, v_sh, h, D, Vp);
+                const int64_t done = (p1 + 1) / 2; /* pairs written, the last maybe half zero */
+                memset(Vp + done * D, 0, (size_t)((p0 + 16) / 2 - done) * D * sizeof(uint32_t));
+                continue;
+            }
+#endif
             if (bf16) { /* literal element types: each call is specialised (see ps_prefill_item) */
                 ps_gather(kc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, h, D, Kh, 1);
                 ps_gather(vc, bt + s * bt_stride, p0, p1, BS, v_sb, v_ss, v_sh, h, D, Vh, 1);
@@ -245,6 +387,15 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
             const float *Kh = ws + kv_at[s] + h * lp * D, *Vh = Kh + Hkv * lp * D;
             const void *qs = (const char *)q + (int64_t)qsl[s] * q_st * elem;
             void *os = (char *)out + (int64_t)qsl[s] * o_st * elem;
+#ifdef PS_PF_DP
+            if (bf16) {
+                const uint16_t *Kb = (const uint16_t *)(ws + kv_at[s]) + h * lp * D;
+                const uint32_t *Vp = (const uint32_t *)(ws + kv_at[s] + Hkv * lp * D) + h * (lp / 2) * D;
+                if (D == 64) ps_prefill_item_dp(PS_PF_DP_ARGS(64));
+                else ps_prefill_item_dp(PS_PF_DP_ARGS(D));
+                continue;
+            }
+#endif
             if (bf16) PS_PF_ITEM_FOR_D(1);
             else PS_PF_ITEM_FOR_D(0);
         }
