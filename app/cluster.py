@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -104,6 +105,17 @@ def _http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def _gateway_ready(url: str, timeout: float = 2.0) -> bool:
+    """The gateway's readiness is 200 as soon as one worker is healthy; a prefix routed before the
+    others join lands on that one, so ready here means every worker it knows is healthy."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = json.loads(resp.read() or b"{}") if resp.status == 200 else None
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    return body is not None and body.get("healthy_workers") == body.get("total_workers")
+
+
 def _require_gateway() -> None:
     if importlib.util.find_spec("smg") is None:
         raise ValueError("the cluster needs the SGLang Model Gateway: pip install 'prefixserve[cluster]'")
@@ -126,7 +138,7 @@ class Fleet:
         logger.info("starting the gateway (policy %s) on http://%s:%d", self.spec.policy, self.spec.host,
                     self.spec.port)
         self.gateway = subprocess.Popen(self.spec.gateway_command())
-        self._wait_for(lambda: _http_ok(f"http://{self.spec.host}:{self.spec.port}/readiness"), "the gateway")
+        self._wait_for(lambda: _gateway_ready(f"http://{self.spec.host}:{self.spec.port}/readiness"), "the gateway")
 
     def _wait_for_workers(self) -> None:
         pending = set(self.spec.urls)

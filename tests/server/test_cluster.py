@@ -58,11 +58,14 @@ def cluster(tiny_path, tmp_path, *flags: str, replicas: int = 2):
     base = f"http://127.0.0.1:{port}"
     try:
         def ready() -> bool:
+            """The gateway answers and counts every worker healthy: its readiness turns 200 with the
+            first one, and a prefix routed before the second joins lands on the first."""
             assert proc.poll() is None, (tmp_path / "cluster.log").read_text()[-3000:]
             try:
-                return httpx.get(f"{base}/readiness", timeout=2).status_code == 200
+                resp = httpx.get(f"{base}/readiness", timeout=2)
             except httpx.HTTPError:
                 return False
+            return resp.status_code == 200 and resp.json()["healthy_workers"] == replicas
 
         assert wait_until(ready, 180, 0.5), (tmp_path / "cluster.log").read_text()[-3000:]
         workers = [f"http://127.0.0.1:{port + 1 + i}" for i in range(replicas)]
