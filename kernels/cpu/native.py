@@ -40,15 +40,17 @@ DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"{op}.c" for op in ("paged_attention_decode", "paged_attention_prefill", "store_kv", "linear",
                                              "add_rms_norm", "silu_mul", "rope", "int4_linear"))
-HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h")
+HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h", CSRC / "flash_item.h")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # q, k_cache, v_cache, block_tables, seq_lens, out; B, Hq, Hkv, D, BS, bt_stride, num_blocks;
-# q_sb, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_sb, o_sh; scale; window (0: none); nthreads
-# -> 1 on a bad block id
-DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _I64, _INT]
+# q_sb, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_sb, o_sh; scale; window (0: none); nthreads;
+# scratch, scratch floats, need (int64 out) -> 1 on a bad block id, 2 without memory, 3 when the
+# shared-prefix work needs more scratch (*need floats; nothing computed)
+DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _I64, _INT,
+                                                                                             _P, _I64, _P]
 # q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, workspace; workspace floats, S,
 # Hq, Hkv, D, BS, bt_stride, num_blocks; q_st, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_st, o_sh;
 # scale; nthreads -> 1 on a bad block id, 2 on a short workspace, 3 on more queries than positions

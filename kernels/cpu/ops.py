@@ -38,7 +38,8 @@ from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
 from .linear import SmallRowsWeight, covers, linear_covered, rows_covered, rows_over_packed
 from ..interface import KernelOps
-from .paged_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
+from .paged_attention import call_decode, paged_attention_decode_cpu, paged_attention_prefill_cpu
+from .scratch import Scratch
 from .store_kv import store_kv_cpu
 
 # Row counts for which W @ x^T is used (float32 on CPU) when neither the C kernel nor oneDNN is there.
@@ -115,10 +116,12 @@ class _BoundCpuOps:
         self.silu_mul_fn = native.elementwise_for("silu_mul", dtype)
         self.rope_fn = native.elementwise_for("rope", dtype)
         self.decode_fn = native.decode_for(dtype)
+        self.scratch = Scratch()  # the attention kernels' gathers, reused every layer and step
 
     def ops(self) -> KernelOps:
         return KernelOps("cpu", self.linear, self.add_rms_norm, self.silu_mul, self.rope, self.store_kv,
-                         self.decode, paged_attention_prefill_cpu, copy_blocks_torch, pack_weight)
+                         self.decode, functools.partial(paged_attention_prefill_cpu, scratch=self.scratch),
+                         copy_blocks_torch, pack_weight)
 
     # x: [M, K] rows contiguous; weight [N, K] and bias [N] contiguous, all in the bound dtype.
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,15 +184,14 @@ class _BoundCpuOps:
         nb, bs, hkv, _ = k_cache.shape
         n = self.native
         if hq // hkv > n.max_group or d > n.max_head_dim or bs > n.max_block_size or softcap > 0:
-            return paged_attention_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+            return paged_attention_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                              scratch=self.scratch)
         out = torch.empty((b, hq, d), dtype=self.dtype)  # [B, Hq, D]
-        bad = self.decode_fn(
+        call_decode(self.decode_fn, (
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
             out.data_ptr(), b, hq, hkv, d, bs, block_tables.stride(0), nb, query.stride(0), query.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), hq * d, d, float(scale), window, torch.get_num_threads())
-        if bad:  # the kernel checks every block id it would read before reading any
-            raise IndexError(f"paged_attention_decode: block_tables holds block ids outside [0, {nb})")
+            v_cache.stride(2), hq * d, d, float(scale), window, torch.get_num_threads()), self.scratch, nb)
         return out
 
 

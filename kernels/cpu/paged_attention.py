@@ -14,18 +14,25 @@ for, a soft cap or, in prefill, a sliding window shorter than a sequence -- kern
 or no C compiler) goes to the torch reference, so these functions are always safe to call. The decode
 kernel reads only a sliding window's positions itself.
 
-Shared prefixes (forks, beams, cache hits) go through the C kernel too: it reads a shared block
-once per sequence, but from cache, and measured faster than the reference's cascade path (which
-reads it once for all) at every size tried: 0.33 vs 0.77 ms per layer for 4 beams over 532
-tokens, 2.5 vs 6.5 ms for 16 sequences over a shared 1,024-token prefix, 9.0 vs 14.2 ms for 64.
+Shared prefixes (forks, beams, cache hits) go through the C kernel too. Where enough query rows
+share enough keys (csrc/paged_attention_decode.c: 16 rows in bfloat16 with AVX512-BF16, 96 in
+float32, 64 keys, AVX-512 only) the kernel attends the shared keys once for all of them with the
+prefill kernel's flash items and each sequence goes on from their softmax state; otherwise each
+sequence reads the shared blocks itself, from cache. Measured per layer on a 2-core AMD EPYC Zen 5
+(4 x 16 sequences over 1,024 shared tokens, bfloat16): 1.29-1.48 -> 0.51-0.60 ms; GSP's bfloat16
+decode attention 1.35 -> 0.79 s (`benchmarks/profile_gsp.py`). The C kernels take their scratch
+memory from the caller (kernels/cpu/scratch.py); the bound op set keeps one.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
 from .._common import cdiv
 from .native import NativeKernels, cpu_has_amx, cpu_has_avx512, native_kernels
+from .scratch import Scratch
 from ..masked_attention import window_or_softcap_applies
 from ..paged_attention_decode import _validate, paged_attention_decode_torch
 from ..paged_attention_prefill import _validate as _validate_prefill
@@ -44,8 +51,11 @@ def paged_attention_decode_cpu(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    *,
+    scratch: Scratch | None = None,
 ) -> torch.Tensor:
-    """Decode attention over the paged KV cache with the CPU C kernel (torch fallback)."""
+    """Decode attention over the paged KV cache with the CPU C kernel (torch fallback). ``scratch``:
+    the caller's reusable memory for the shared-prefix work (a fresh one per call without it)."""
     b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     native = native_kernels()
     if native is None or not _supported(native, query, k_cache, v_cache, hq // hkv, d, bs) or softcap > 0:
@@ -65,16 +75,30 @@ def paged_attention_decode_cpu(
     q = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty((b, hq, d), dtype=query.dtype)
     fn = native.decode_for(query.dtype)
-    bad = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
-             b, hq, hkv, d, bs, table.stride(0), nb,
-             q.stride(0), q.stride(1),
-             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-             out.stride(0), out.stride(1),
-             float(scale), int(window), torch.get_num_threads())
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            b, hq, hkv, d, bs, table.stride(0), nb,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            float(scale), int(window), torch.get_num_threads())
+    call_decode(fn, args, Scratch() if scratch is None else scratch, nb)
+    return out
+
+
+def call_decode(fn, args: tuple, scratch: Scratch, nb: int) -> None:
+    """The C decode entry with `scratch` for its shared-prefix work, grown and called again when the
+    kernel asks for more (it computes nothing then)."""
+    need = ctypes.c_int64(0)
+    buf = scratch.take(scratch.floats)
+    bad = fn(*args, buf.data_ptr(), buf.numel(), ctypes.byref(need))
+    if bad == 3:
+        buf = scratch.take(need.value)
+        bad = fn(*args, buf.data_ptr(), buf.numel(), ctypes.byref(need))
+    if bad == 2:
+        raise MemoryError(f"{_OP}: no memory to plan the shared-prefix work")
     if bad:  # the kernel checks every block id it would read before reading any
         raise IndexError(f"{_OP}: block_tables holds block ids outside [0, {nb})")
-    return out
 
 
 def _supported(native: NativeKernels, query, k_cache, v_cache, group: int, d: int, bs: int) -> bool:
@@ -96,8 +120,11 @@ def paged_attention_prefill_cpu(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    *,
+    scratch: Scratch | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention over the paged KV cache with the CPU C kernel (torch fallback).
+    ``scratch``: the caller's reusable memory for the gathered K and V (a fresh one without it).
 
     float32 and bfloat16, the math in float32 either way, except that with AVX512-BF16 the bfloat16
     products run on bfloat16 pairs (vdpbf16ps) with the probabilities rounded to bfloat16 before P.V:
@@ -122,7 +149,7 @@ def paged_attention_prefill_cpu(
     # The kernel's float32 copy of K and V (widened from bfloat16): each sequence with queries,
     # rounded up to 16 positions.
     ws_floats = sum(cdiv(n, 16) * 16 for i, n in enumerate(lens) if qsl[i + 1] > qsl[i]) * 2 * hkv * d
-    ws = torch.empty(ws_floats, dtype=torch.float32)
+    ws = (Scratch() if scratch is None else scratch).take(ws_floats)
     table = block_tables.to(torch.int32)
     if table.stride(-1) != 1:
         table = table.contiguous()

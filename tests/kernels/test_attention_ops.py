@@ -33,7 +33,7 @@ def test_torch_backend_and_auto_on_cpu():
     assert ops.copy_blocks is kernels.copy_blocks_torch
     cpu = get_ops("auto", torch.device("cpu"))  # the C kernels
     assert cpu.name == "cpu" and get_ops().name == "cpu"
-    assert cpu.paged_attention_prefill is kernels.paged_attention_prefill_cpu
+    assert cpu.paged_attention_prefill.func is kernels.paged_attention_prefill_cpu  # with its scratch bound
     with pytest.raises(Exception):
         ops.name = "x"  # frozen
 

@@ -3,6 +3,7 @@
 Poisoned caches (NaN in every slot past a sequence, padded block tables with a NaN block or -1)
 make any read past seq_len show up as NaN in the output.
 """
+import ctypes
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ from kernels_testlib import TOL, PagedKV, naive_attention
 import kernels
 from kernels.cpu import native as _native
 from kernels.cpu.paged_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
+from kernels.cpu.scratch import Scratch
 from kernels.paged_attention_decode import paged_attention_decode_torch
 from kernels.paged_attention_prefill import paged_attention_prefill_torch
 
@@ -82,6 +84,90 @@ def test_shared_prefix_batches_run_in_the_c_kernel(native, monkeypatch):
     torch.testing.assert_close(out, ref)
 
 
+def _shared_prefix_case(g, d, bs, dtype, members, seed=0):
+    """A poisoned pool where `members` sequences start with the same 11 blocks (half of them the same
+    14), 3 share 4 other blocks, and 2 share nothing; each has its own tail of 1-40 tokens. Returns (k_cache, v_cache,
+    block_tables, seq_lens, query, naive float64 output)."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = torch.randperm(600, generator=gen).tolist()
+    k = torch.full((600, bs, HKV, d), float("nan"))
+    v = torch.full((600, bs, HKV, d), float("nan"))
+    prefix_a, prefix_a2, prefix_b = rnd[:11], rnd[11:14], rnd[14:18]
+    free = iter(rnd[18:])
+    heads = [prefix_a] * (members // 2) + [prefix_a + prefix_a2] * (members - members // 2) + [prefix_b] * 3 + [[], []]
+    tables, lens, written = [], [], set()
+    for i, head in enumerate(heads):
+        tail = 1 + (7 * i) % 40
+        n = len(head) * bs + tail
+        table = head + [next(free) for _ in range(-(-tail // bs))]
+        tables.append(table)
+        lens.append(n)
+    width = max(map(len, tables)) + 1
+    keys = {}  # block id -> (K, V) rows it holds, written once even when shared
+    for table, n in zip(tables, lens):
+        for j, blk in enumerate(table):
+            if blk not in keys:
+                rows = min(bs, n - j * bs)
+                keys[blk] = (torch.randn((rows, HKV, d), generator=gen), torch.randn((rows, HKV, d), generator=gen))
+                k[blk, :rows], v[blk, :rows] = keys[blk]
+    k, v = k.to(dtype), v.to(dtype)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn((len(lens), HKV * g, d), generator=gen).to(dtype)
+    naive = torch.empty(query.shape, dtype=torch.float64)
+    for s, (table, n) in enumerate(zip(tables, lens)):
+        ks = torch.cat([k[blk, :min(bs, n - j * bs)] for j, blk in enumerate(table)])
+        vs = torch.cat([v[blk, :min(bs, n - j * bs)] for j, blk in enumerate(table)])
+        naive[s] = naive_attention(query[s:s + 1], ks, vs, d**-0.5, [n - 1])[0]
+    return k, v, block_tables, seq_lens, query, naive
+
+
+def _shared_groups(native, block_tables, seq_lens, hq, d, bs, dtype, window=0) -> int:
+    lib = ctypes.CDLL(str(native.path))
+    lib.ps_decode_shared_groups.restype = ctypes.c_int64
+    return lib.ps_decode_shared_groups(ctypes.c_void_p(block_tables.data_ptr()), ctypes.c_void_p(seq_lens.data_ptr()),
+                                       ctypes.c_int64(len(seq_lens)), ctypes.c_int64(hq), ctypes.c_int64(HKV),
+                                       ctypes.c_int64(d), ctypes.c_int64(bs), ctypes.c_int64(block_tables.stride(0)),
+                                       ctypes.c_int64(window), ctypes.c_int64(dtype == torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g,d,bs", [(3, 64, 16), (4, 128, 16), (2, 80, 8), (8, 64, 32), (3, 64, 64)])
+def test_shared_prefix_attended_once_matches_naive(native, g, d, bs, dtype):
+    """A prefix shared by enough query rows (members x G: 16 in bfloat16 with AVX512-BF16, else 96) is
+    attended by the flash items once for all of them (its keys rounded down to 16: with blocks of 8,
+    the sequences go on from inside a block), each sequence then goes on over its own keys from their
+    softmax state (AVX-512 only); too few rows (3 sequences), too few keys (< 64) or none shared: the
+    per-sequence item."""
+    members = 8 if dtype == torch.bfloat16 else 48
+    k, v, tables, lens, query, naive = _shared_prefix_case(g, d, bs, dtype, members, seed=g + d + bs)
+    min_rows = 16 if dtype == torch.bfloat16 and _native.cpu_has_bf16_pairs() else 96
+    expected = (1 + (3 * g >= min_rows and 4 * bs >= 64)) if _native.cpu_has_avx512() else 0
+    assert _shared_groups(native, tables, lens, HKV * g, d, bs, dtype) == expected
+    assert _shared_groups(native, tables, lens, HKV * g, d, bs, dtype, window=4096) == 0  # windows: per sequence
+    scratch = Scratch()
+    out = paged_attention_decode_cpu(query, k, v, tables, lens, d**-0.5, scratch=scratch)
+    torch.testing.assert_close(out.double(), naive, **TOL[dtype])
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), naive, atol=2e-5, rtol=2e-5)
+    # the kernel asked for scratch exactly when it had groups; a second call reuses it
+    assert (scratch.floats > 0) == (expected > 0)
+    before = scratch.floats
+    torch.testing.assert_close(paged_attention_decode_cpu(query, k, v, tables, lens, d**-0.5, scratch=scratch), out,
+                               atol=0, rtol=0)
+    assert scratch.floats == before
+
+
+def test_scratch_grows_and_keeps_its_memory():
+    scratch = Scratch()
+    a = scratch.take(100)
+    assert a.numel() == 100 and a.dtype == torch.float32 and scratch.floats == 100
+    b = scratch.take(50)  # smaller: the same memory
+    assert b.data_ptr() == a.data_ptr() and b.numel() == 50
+    c = scratch.take(101)  # larger: grows with headroom
+    assert c.numel() == 101 and scratch.floats >= 125
+
+
 def test_float16_falls_back_to_reference(native):
     kv = PagedKV([9, 30], HKV, 64, 16, torch.float16, seed=5)
     kv.kv_cache.nan_to_num_(0.0)
@@ -105,7 +191,9 @@ def test_bad_block_ids_raise_instead_of_reading_outside_the_pool(native):
 def test_auto_backend_on_cpu_is_the_cpu_set():
     ops = kernels.get_ops("auto", "cpu")
     assert ops.name == "cpu"
-    assert ops.paged_attention_prefill is paged_attention_prefill_cpu is kernels.paged_attention_prefill_cpu
+    # the bound set hands the launcher its own reusable scratch memory (kernels/cpu/scratch.py)
+    assert ops.paged_attention_prefill.func is paged_attention_prefill_cpu is kernels.paged_attention_prefill_cpu
+    assert isinstance(ops.paged_attention_prefill.keywords["scratch"], Scratch)
     with pytest.raises(ValueError, match="CPU devices only"):
         kernels.get_ops("cpu", "meta")
 

@@ -18,7 +18,11 @@
  *         m' = max(m, max_t s[g][t]);  a = exp(m - m')     (rescale what came before)
  *         acc[g] = a * acc[g] + sum_t exp(s[g][t] - m') v[t];   l = a * l + sum_t exp(...)
  *     out[g] = acc[g] / l[g]
+ *
+ * A prefix shared by many sequences goes through flash items first and the item above starts from
+ * their state (m, l, acc) at the first key after it: see "Shared prefixes" below.
  */
+#include "flash_item.h"
 #include "ps_cpu.h"
 
 #define PS_MAX_G 16
@@ -43,15 +47,15 @@ static inline void ps_prefetch_block(const void *k, const void *v, int64_t BS, i
         const T *restrict q, const T *restrict kc, const T *restrict vc, const int32_t *restrict bt_row, \
         const int64_t len, const int64_t start, T *restrict out, const int64_t G, const int64_t D,  \
         const int64_t BS, const int64_t q_sh, const int64_t k_sb, const int64_t k_ss, const int64_t v_sb, \
-        const int64_t v_ss, const int64_t o_sh, const float scale) {                                 \
+        const int64_t v_ss, const int64_t o_sh, const float scale, const float *restrict init) {     \
         float qs[PS_MAX_G * PS_MAX_D], acc[PS_MAX_G * PS_MAX_D], row[PS_MAX_D];                      \
         float s[PS_MAX_G * PS_MAX_BS], m[PS_MAX_G], l[PS_MAX_G];                                     \
         for (int64_t g = 0; g < G; ++g) {                                                            \
             LOAD(q + g * q_sh, qs + g * D, D);                                                       \
             for (int64_t d = 0; d < D; ++d) qs[g * D + d] *= scale;                                  \
-            for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.0f;                                   \
-            m[g] = -INFINITY;                                                                        \
-            l[g] = 0.0f;                                                                             \
+            for (int64_t d = 0; d < D; ++d) acc[g * D + d] = init ? init[g * (D + 2) + 2 + d] : 0.0f;  \
+            m[g] = init ? init[g * (D + 2)] : -INFINITY;                                             \
+            l[g] = init ? init[g * (D + 2) + 1] : 0.0f;                                              \
         }                                                                                            \
         const int64_t nblk = len > 0 ? (len + BS - 1) / BS : 0;                                      \
         for (int64_t j = start / BS; j < nblk; ++j) {                                                \
@@ -145,7 +149,7 @@ static inline __m512 ps_hsum16(const __m512 *a) {
         const T *restrict q, const T *restrict kc, const T *restrict vc, const int32_t *restrict bt_row, \
         const int64_t len, const int64_t start, T *restrict out, const int64_t G, const int64_t D,  \
         const int64_t BS, const int64_t q_sh, const int64_t k_sb, const int64_t k_ss, const int64_t v_sb, \
-        const int64_t v_ss, const int64_t o_sh, const float scale) {                                 \
+        const int64_t v_ss, const int64_t o_sh, const float scale, const float *restrict init) {     \
         const int64_t DV = D / 16;                                                                   \
         __m512 qs[PS_MAX_G * PS_MAX_D / 16], acc[PS_MAX_G * PS_MAX_D / 16], kv[PS_MAX_D / 16];      \
         __m512 part[PS_MAX_G][16];                                                                   \
@@ -153,10 +157,10 @@ static inline __m512 ps_hsum16(const __m512 *a) {
         for (int64_t g = 0; g < G; ++g) {                                                            \
             for (int64_t v = 0; v < DV; ++v) {                                                       \
                 qs[g * DV + v] = _mm512_mul_ps(LOADV(q + g * q_sh + 16 * v), _mm512_set1_ps(scale)); \
-                acc[g * DV + v] = _mm512_setzero_ps();                                               \
+                acc[g * DV + v] = init ? _mm512_loadu_ps(init + g * (D + 2) + 2 + 16 * v) : _mm512_setzero_ps(); \
             }                                                                                        \
-            m[g] = -INFINITY;                                                                        \
-            l[g] = 0.0f;                                                                             \
+            m[g] = init ? init[g * (D + 2)] : -INFINITY;                                             \
+            l[g] = init ? init[g * (D + 2) + 1] : 0.0f;                                              \
         }                                                                                            \
         const int64_t nblk = len > 0 ? (len + BS - 1) / BS : 0;                                      \
         for (int64_t j = start / BS; j < nblk; ++j) {                                                \
@@ -228,7 +232,7 @@ PS_DEFINE_ITEM_AVX(ps_item_avx_bf16, uint16_t, PS_LOADV_BF16, PS_STOREV_BF16)
         const T *restrict q, const T *restrict kc, const T *restrict vc, const int32_t *restrict bt_row, \
         const int64_t len, const int64_t start, T *restrict out, const int64_t G, const int64_t D,  \
         const int64_t BS, const int64_t q_sh, const int64_t k_sb, const int64_t k_ss, const int64_t v_sb, \
-        const int64_t v_ss, const int64_t o_sh, const float scale) {                                 \
+        const int64_t v_ss, const int64_t o_sh, const float scale, const float *restrict init) {     \
         const int64_t DV = D / 8;                                                                    \
         __m256 qs[PS_MAX_G * PS_MAX_D / 8], acc[PS_MAX_G * PS_MAX_D / 8], kv[PS_MAX_D / 8];         \
         __m256 part[PS_MAX_G][8];                                                                    \
@@ -237,10 +241,10 @@ PS_DEFINE_ITEM_AVX(ps_item_avx_bf16, uint16_t, PS_LOADV_BF16, PS_STOREV_BF16)
         for (int64_t g = 0; g < G; ++g) {                                                            \
             for (int64_t v = 0; v < DV; ++v) {                                                       \
                 qs[g * DV + v] = _mm256_mul_ps(LOADV(q + g * q_sh + 8 * v), _mm256_set1_ps(scale));  \
-                acc[g * DV + v] = _mm256_setzero_ps();                                               \
+                acc[g * DV + v] = init ? _mm256_loadu_ps(init + g * (D + 2) + 2 + 8 * v) : _mm256_setzero_ps(); \
             }                                                                                        \
-            m[g] = -INFINITY;                                                                        \
-            l[g] = 0.0f;                                                                             \
+            m[g] = init ? init[g * (D + 2)] : -INFINITY;                                             \
+            l[g] = init ? init[g * (D + 2) + 1] : 0.0f;                                              \
         }                                                                                            \
         const int64_t nblk = len > 0 ? (len + BS - 1) / BS : 0;                                      \
         for (int64_t j = start / BS; j < nblk; ++j) {                                                \
@@ -313,7 +317,8 @@ PS_DEFINE_ITEM_AVX2(ps_item_avx_bf16, uint16_t, PS_LOAD8_BF16, ps_store_bf16)
 /* One work item through the best copy: with AVX-512 and head_dim a multiple of 16, the vector item
  * (specialised for head_dim 64 / block_size 16 with 1-4 query heads per KV head: SmolLM2 has 3,
  * Llama-3 and Qwen2 4 or more); otherwise the portable item (specialised for 64 / 128 with BS 16). */
-#define PS_ITEM_ARGS(G_, D_, BS_) qw, kw, vw, btw, lens[b], start, ow, G_, D_, BS_, q_sh, k_sb, k_ss, v_sb, v_ss, o_sh, scale
+#define PS_ITEM_ARGS(G_, D_, BS_) \
+    qw, kw, vw, btw, lens[b], start, ow, G_, D_, BS_, q_sh, k_sb, k_ss, v_sb, v_ss, o_sh, scale, init
 #ifdef PS_AVX512
 #define PS_DISPATCH_ITEM(ITEM, AVX_ITEM)                                                              \
     if (D == 64 && BS == 16 && G == 3) AVX_ITEM(PS_ITEM_ARGS(3, 64, 16));                          \
@@ -339,27 +344,279 @@ PS_DEFINE_ITEM_AVX2(ps_item_avx_bf16, uint16_t, PS_LOAD8_BF16, ps_store_bf16)
     else ITEM(PS_ITEM_ARGS(G, D, BS));
 #endif
 
-/* The entry point (returns 1, computing nothing, when a block id is outside the pool): all (sequence, KV head) items over the OpenMP pool, dispatched to copies of
- * the item specialised for head_dim 64 / 128 with block_size 16 (SmolLM2, Llama, Qwen2 defaults). */
-#define PS_DEFINE_DECODE(NAME, ITEM, AVX_ITEM, T)                                                               \
+/* ---------------------------------------------------------------------------------------------
+ * Shared prefixes (GSP questions over one system prompt, n > 1 samples, beams): sequences whose first
+ * blocks are the same block ids read the same keys. Per sequence, the item above reads them once per
+ * sequence and keeps only G rows (one sequence's query heads) busy per key, well under the FMA rate
+ * (~120 GFLOP/s for 64 sequences over 1,100 tokens on a 2-core Zen 5). Where at least
+ * PS_SHARED_MIN_ROWS query rows share at least PS_SHARED_MIN_KEYS keys, the shared part runs as flash
+ * items of 32 rows (flash_item.h, as prefill: 250-330 GFLOP/s there, bfloat16 pairs ~550), which leave
+ * each row's softmax state (m, l, unnormalised acc); each sequence's own item then starts from that
+ * state at the first key past the shared part. Only with AVX-512 (the flash item is slow elsewhere)
+ * and without a sliding window.
+ *
+ *     group: members b_0 .. b_n-1 (bt[b_i][0 .. c) equal), nkeys = c BS rounded down to 16
+ *         phase 1: gather keys 0 .. nkeys-1 once per KV head (the first member's block table)
+ *         phase 2: items of 32 (member, query head) rows over them, no mask -> state[i][head] (m, l, acc[D])
+ *         phase 3: every sequence's item from `start` = its group's nkeys (0 outside groups), init = state
+ */
+/* Query rows a group needs (members x G). Measured per layer (2-core Zen 5, 9 query / 3 KV heads, a
+ * 1,024-token prefix; benchmarks/cpu_kernels.py --cases attention): bfloat16 pairs win from one part-
+ * filled item on (8 samples, 24 rows: 0.168 -> 0.152 ms; 4 x 16 sequences: 1.37 -> 0.92; 64: 1.34 ->
+ * 0.57); float32 items only with several full ones (64 sequences, 192 rows: 1.36 -> 0.87 ms; 2 x 32:
+ * 1.40 -> 1.12; 4 x 16, 48 rows: 1.42 -> 1.6-1.9, slower; 8 samples: 0.17 -> 0.26, slower). */
+#define PS_SHARED_MIN_ROWS_BF16 16
+#define PS_SHARED_MIN_ROWS_F32 96
+#define PS_SHARED_MIN_KEYS 64
+
+typedef struct {
+    int64_t first, n, nkeys; /* members order[first .. first + n), keys shared */
+    int64_t ws_at, q_at, state_at; /* offsets of its gathered K/V, its queries, its state */
+    int64_t chunk_at, item_at; /* its first phase-1 chunk and phase-2 item */
+} ps_group;
+
+/* Groups of sequences whose first blocks are equal ids, each with its members (in `order`), their
+ * number and the keys they share (whole blocks before every member's last position, rounded down to
+ * 16); group_of[b] is b's group or -1, local[b] its index there. Returns the number of groups. */
+static int64_t ps_plan_shared(const int32_t *bt, const int32_t *lens, int64_t B, int64_t BS, int64_t bt_stride,
+                              int64_t G, int64_t min_rows, int64_t *group_of, int64_t *local, int64_t *order,
+                              ps_group *groups) {
+    int64_t ng = 0, placed = 0;
+    for (int64_t b = 0; b < B; ++b) group_of[b] = -1;
+    for (int64_t b = 0; b < B; ++b) {
+        if (group_of[b] != -1 || lens[b] - 1 < PS_SHARED_MIN_KEYS) continue;
+        int64_t n = 0, limit = (lens[b] - 1) / BS; /* the last position's block is never shared */
+        for (int64_t o = b; o < B; ++o)
+            if (group_of[o] == -1 && lens[o] - 1 >= PS_SHARED_MIN_KEYS && bt[o * bt_stride] == bt[b * bt_stride]) {
+                order[placed + n++] = o;
+                group_of[o] = -2; /* considered: not a group's first again */
+                if ((lens[o] - 1) / BS < limit) limit = (lens[o] - 1) / BS;
+            }
+        int64_t c = 0;
+        for (int same = 1; same && c < limit; c += same)
+            for (int64_t i = 1; i < n && same; ++i) same = bt[order[placed + i] * bt_stride + c] == bt[b * bt_stride + c];
+        const int64_t nkeys = c * BS / 16 * 16;
+        if (n * G < min_rows || nkeys < PS_SHARED_MIN_KEYS) continue;
+        groups[ng] = (ps_group){placed, n, nkeys, 0, 0, 0, 0, 0};
+        for (int64_t i = 0; i < n; ++i) {
+            group_of[order[placed + i]] = ng;
+            local[order[placed + i]] = i;
+        }
+        placed += n;
+        ++ng;
+    }
+    for (int64_t b = 0; b < B; ++b)
+        if (group_of[b] == -2) group_of[b] = -1;
+    return ng;
+}
+
+static inline int64_t ps_shared_min_rows(int bf16) {
+#ifdef PS_PF_DP
+    if (bf16) return PS_SHARED_MIN_ROWS_BF16;
+#endif
+    (void)bf16;
+    return PS_SHARED_MIN_ROWS_F32;
+}
+
+/* Whether a decode call of this shape looks for shared prefixes at all. */
+static inline int ps_shared_applies(int64_t B, int64_t D, int64_t window) {
+#ifdef PS_AVX512
+    return window <= 0 && D % PS_PF_DB == 0 && D <= PS_PF_MAX_D && B >= 2;
+#else
+    (void)B, (void)D, (void)window;
+    return 0;
+#endif
+}
+
+/* The number of groups a decode call with these arguments attends through the flash items (tests). */
+int64_t ps_decode_shared_groups(const int32_t *bt, const int32_t *lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                                int64_t BS, int64_t bt_stride, int64_t window, int64_t bf16) {
+#ifdef PS_AVX512
+    if (!ps_shared_applies(B, D, window)) return 0;
+    int64_t *ids = malloc(3 * B * sizeof(int64_t));
+    ps_group *groups = malloc(B * sizeof(ps_group));
+    int64_t ng = ids && groups ? ps_plan_shared(bt, lens, B, BS, bt_stride, Hq / Hkv, ps_shared_min_rows((int)bf16), ids,
+                                                     ids + B, ids + 2 * B, groups)
+                                    : 0;
+    free(ids);
+    free(groups);
+    return ng;
+#else
+    (void)bt, (void)lens, (void)B, (void)Hq, (void)Hkv, (void)D, (void)BS, (void)bt_stride, (void)window, (void)bf16;
+    return 0;
+#endif
+}
+
+/* One decode call's shared-prefix work: its groups and where their buffers lie in the caller's scratch
+ * (all NULL / 0 without groups). The caller's scratch, not malloc: a fresh multi-MiB buffer per layer
+ * was faulted in page by page in some processes (glibc's heap did not keep it), 2.5k faults a call. */
+typedef struct {
+    int64_t ng, Hq, chunks, items;
+    ps_group *groups;
+    int64_t *group_of, *local, *order; /* one allocation of 3 B */
+    float *ws;    /* every group's gathered keys 0 .. nkeys-1 (flash_item.h's layout, lp = nkeys) */
+    char *qbuf;   /* every group's member queries, [n, Hq, D] in the model dtype */
+    float *state; /* every group's [n, Hq, D + 2]: m, l, acc[D] per (member, query head) */
+} ps_shared;
+
+static void ps_shared_free(ps_shared *sh) {
+    free(sh->groups);
+    free(sh->group_of);
+}
+
+/* Plans the groups and lays their buffers out in scratch (scratch_floats long), filling their queries.
+ * Returns 2 (nothing held) without memory, 3 (nothing held, *need set) when scratch is too short,
+ * else 0. */
+static int ps_shared_prepare(ps_shared *sh, const void *q, size_t elem, const int32_t *bt, const int32_t *lens, int64_t B,
+                             int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride, int64_t q_sb,
+                             int64_t q_sh, int64_t window, float *scratch, int64_t scratch_floats, int64_t *need) {
+    if (!ps_shared_applies(B, D, window)) return 0;
+    const int64_t G = Hq / Hkv;
+    sh->Hq = Hq;
+    sh->group_of = malloc(3 * B * sizeof(int64_t));
+    sh->groups = malloc(B * sizeof(ps_group));
+    if (!sh->group_of || !sh->groups) goto oom;
+    sh->local = sh->group_of + B;
+    sh->order = sh->group_of + 2 * B;
+    sh->ng = ps_plan_shared(bt, lens, B, BS, bt_stride, G, ps_shared_min_rows(elem == sizeof(uint16_t)), sh->group_of,
+                            sh->local, sh->order, sh->groups);
+    if (!sh->ng) {
+        ps_shared_free(sh);
+        *sh = (ps_shared){0};
+        return 0;
+    }
+    int64_t ws = 0, qn = 0, st = 0;
+    for (int64_t g = 0; g < sh->ng; ++g) {
+        ps_group *gr = sh->groups + g;
+        gr->ws_at = ws, gr->q_at = qn, gr->state_at = st, gr->chunk_at = sh->chunks, gr->item_at = sh->items;
+        ws += gr->nkeys * 2 * Hkv * D;
+        qn += gr->n * Hq * D;
+        st += gr->n * Hq * (D + 2);
+        sh->chunks += Hkv * (gr->nkeys / 16);
+        sh->items += Hkv * ((gr->n * G + PS_PF_ROWS - 1) / PS_PF_ROWS);
+    }
+    const int64_t q_floats = (qn * (int64_t)elem + sizeof(float) - 1) / sizeof(float);
+    if (ws + st + q_floats > scratch_floats) {
+        *need = ws + st + q_floats;
+        ps_shared_free(sh);
+        return 3;
+    }
+    sh->ws = scratch;
+    sh->state = scratch + ws;
+    sh->qbuf = (char *)(scratch + ws + st);
+    for (int64_t g = 0; g < sh->ng; ++g)
+        for (int64_t i = 0; i < sh->groups[g].n; ++i)
+            for (int64_t k = 0; k < Hq; ++k)
+                memcpy(sh->qbuf + (sh->groups[g].q_at + (i * Hq + k) * D) * elem,
+                       (const char *)q + (sh->order[sh->groups[g].first + i] * q_sb + k * q_sh) * elem, D * elem);
+    return 0;
+oom:
+    ps_shared_free(sh);
+    return 2;
+}
+
+/* The group that owns work unit w of a phase (at: the group's first unit in that phase). */
+static inline int64_t ps_group_of_unit(const ps_shared *sh, int64_t w, int chunks) {
+    int64_t g = 0;
+    while (g + 1 < sh->ng && (chunks ? sh->groups[g + 1].chunk_at : sh->groups[g + 1].item_at) <= w) ++g;
+    return g;
+}
+
+/* Phases 1 and 2, by every thread of the calling parallel region (each loop ends in its barrier). */
+static inline __attribute__((always_inline)) void ps_shared_run(
+    const ps_shared *sh, const void *kc, const void *vc, const int32_t *bt, int64_t Hkv, int64_t D, int64_t BS,
+    int64_t bt_stride, int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss, int64_t v_sh, float scale,
+    const int bf16) {
+#ifdef PS_AVX512
+    if (!sh->ng) return;
+    const int64_t Hq = sh->Hq, G = Hq / Hkv;
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < sh->chunks; ++w) {
+        const ps_group *gr = sh->groups + ps_group_of_unit(sh, w, 1);
+        const int64_t c = w - gr->chunk_at, per_head = gr->nkeys / 16, h = c / per_head, p0 = c % per_head * 16;
+        ps_gather_chunk(kc, vc, bt + sh->order[gr->first] * bt_stride, p0, p0 + 16, BS, k_sb, k_ss, k_sh, v_sb, v_ss,
+                        v_sh, h, Hkv, D, gr->nkeys, sh->ws + gr->ws_at, bf16);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < sh->items; ++w) {
+        const ps_group *gr = sh->groups + ps_group_of_unit(sh, w, 0);
+        const int64_t per_head = (gr->n * G + PS_PF_ROWS - 1) / PS_PF_ROWS, c = w - gr->item_at;
+        const int64_t h = c / per_head, r0 = c % per_head * PS_PF_ROWS, lp = gr->nkeys;
+        const float *base = sh->ws + gr->ws_at;
+        const char *qg = sh->qbuf + gr->q_at * elem;
+        float *st = sh->state + gr->state_at;
+#ifdef PS_PF_DP
+        if (bf16) {
+            const uint16_t *Kb = (const uint16_t *)base + h * lp * D;
+            const uint32_t *Vp = (const uint32_t *)(base + Hkv * lp * D) + h * (lp / 2) * D;
+            if (D == 64)
+                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, lp, r0, gr->n * G, G,
+                                   h, 64, scale, lp, st);
+            else
+                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, lp, r0, gr->n * G, G,
+                                   h, D, scale, lp, st);
+            continue;
+        }
+#endif
+        const float *Kh = base + h * lp * D, *Vh = Kh + Hkv * lp * D;
+        if (D == 64)
+            ps_prefill_item(qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kh, Vh, lp, r0, gr->n * G, G, h, 64, scale, lp, st,
+                            bf16);
+        else
+            ps_prefill_item(qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kh, Vh, lp, r0, gr->n * G, G, h, D, scale, lp, st,
+                            bf16);
+    }
+#else
+    (void)sh, (void)kc, (void)vc, (void)bt, (void)Hkv, (void)D, (void)BS, (void)bt_stride, (void)k_sb, (void)k_ss;
+    (void)k_sh, (void)v_sb, (void)v_ss, (void)v_sh, (void)scale, (void)bf16;
+#endif
+}
+
+/* Sequence b's state for its query heads from head0 on, with *start moved past the shared keys; NULL
+ * (start kept) outside groups. */
+static inline const float *ps_shared_state(const ps_shared *sh, int64_t b, int64_t head0, int64_t D, int64_t *start) {
+    if (!sh->ng || sh->group_of[b] < 0) return NULL;
+    const ps_group *gr = sh->groups + sh->group_of[b];
+    *start = gr->nkeys;
+    return sh->state + gr->state_at + (sh->local[b] * sh->Hq + head0) * (D + 2);
+}
+
+/* The entry point (returns 1, computing nothing, when a block id is outside the pool; 2 without
+ * memory; 3 when scratch is shorter than the *need floats the shared prefixes take): phases 1-2 for the groups above, then all (sequence, KV head) items over the OpenMP
+ * pool, dispatched to copies of the item specialised for head_dim 64 / 128 with block_size 16
+ * (SmolLM2, Llama, Qwen2 defaults). */
+#define PS_DEFINE_DECODE(NAME, ITEM, AVX_ITEM, T, BF16)                                                         \
     int64_t NAME(const T *q, const T *kc, const T *vc, const int32_t *bt, const int32_t *lens, T *out, \
                  int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride,      \
                  int64_t NB, int64_t q_sb, int64_t q_sh, int64_t k_sb, int64_t k_ss, int64_t k_sh,  \
                  int64_t v_sb, int64_t v_ss, int64_t v_sh, int64_t o_sb, int64_t o_sh, float scale, \
-                 int64_t window, int nthreads) {                                                     \
+                 int64_t window, int nthreads, float *scratch, int64_t scratch_floats, int64_t *need) {  \
         if (ps_bad_block_ids(bt, lens, B, BS, bt_stride, NB)) return 1; /* nothing computed */     \
         const int64_t G = Hq / Hkv;                                                                  \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                       \
-        for (int64_t w = 0; w < B * Hkv; ++w) {                                                      \
-            const int64_t b = w / Hkv, h = w % Hkv;                                                  \
-            const T *qw = q + b * q_sb + h * G * q_sh;                                               \
-            const T *kw = kc + h * k_sh, *vw = vc + h * v_sh;                                        \
-            const int32_t *btw = bt + b * bt_stride;                                                 \
-            T *ow = out + b * o_sb + h * G * o_sh;                                                   \
-            /* a sliding window (window > 0): only the last `window` positions are read */           \
-            const int64_t start = window > 0 && lens[b] > window ? lens[b] - window : 0;             \
-            PS_DISPATCH_ITEM(ITEM, AVX_ITEM)                                                         \
+        ps_shared shared = {0};                                                                      \
+        const int refused = ps_shared_prepare(&shared, q, sizeof(T), bt, lens, B, Hq, Hkv, D, BS, bt_stride, q_sb, \
+                                              q_sh, window, scratch, scratch_floats, need);          \
+        if (refused) return refused;                                                                 \
+        _Pragma("omp parallel num_threads(nthreads)")                                                \
+        {                                                                                            \
+            ps_shared_run(&shared, kc, vc, bt, Hkv, D, BS, bt_stride, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, scale, \
+                          BF16);                                                                     \
+            _Pragma("omp for schedule(dynamic, 1)")                                                  \
+            for (int64_t w = 0; w < B * Hkv; ++w) {                                                  \
+                const int64_t b = w / Hkv, h = w % Hkv;                                              \
+                const T *qw = q + b * q_sb + h * G * q_sh;                                           \
+                const T *kw = kc + h * k_sh, *vw = vc + h * v_sh;                                    \
+                const int32_t *btw = bt + b * bt_stride;                                             \
+                T *ow = out + b * o_sb + h * G * o_sh;                                               \
+                /* a sliding window (window > 0): only the last `window` positions are read; a shared \
+                 * prefix: the keys after it, from its state */                                      \
+                int64_t start = window > 0 && lens[b] > window ? lens[b] - window : 0;               \
+                const float *init = ps_shared_state(&shared, b, h * G, D, &start);                  \
+                PS_DISPATCH_ITEM(ITEM, AVX_ITEM)                                                     \
+            }                                                                                        \
         }                                                                                            \
+        ps_shared_free(&shared);                                                                     \
         return 0;                                                                                    \
     }
 
@@ -369,8 +626,8 @@ PS_DEFINE_ITEM(ps_item_bf16, uint16_t, ps_load_bf16, ps_store_bf16)
 #define ps_item_avx_f32 ps_item_f32
 #define ps_item_avx_bf16 ps_item_bf16
 #endif
-PS_DEFINE_DECODE(ps_paged_decode_f32, ps_item_f32, ps_item_avx_f32, float)
-PS_DEFINE_DECODE(ps_paged_decode_bf16, ps_item_bf16, ps_item_avx_bf16, uint16_t)
+PS_DEFINE_DECODE(ps_paged_decode_f32, ps_item_f32, ps_item_avx_f32, float, 0)
+PS_DEFINE_DECODE(ps_paged_decode_bf16, ps_item_bf16, ps_item_avx_bf16, uint16_t, 1)
 
 /* Limits the launcher checks before calling (beyond them it uses the torch path). */
 int64_t ps_max_g(void) { return PS_MAX_G; }

@@ -1,0 +1,321 @@
+/* The flash-attention work item shared by prefill (paged_attention_prefill.c) and the shared-prefix
+ * part of decode (paged_attention_decode.c), with the gathers that lay out its K and V. See
+ * paged_attention_prefill.c for the item's plan. */
+#ifndef PS_FLASH_ITEM_H
+#define PS_FLASH_ITEM_H
+#include <stdlib.h>
+#include <string.h>
+
+#include "ps_cpu.h"
+
+#define PS_PF_MAX_D 256
+#define PS_PF_NV 2 /* row vectors per work item */
+#define PS_PF_ROWS (16 * PS_PF_NV)
+#define PS_PF_KH 8 /* keys per Q.K pass: NV x 8 accumulators, NV query vectors and a broadcast in registers */
+#define PS_PF_DB 8 /* head_dim columns per P.V pass: NV x 8 independent FMA chains hide the FMA latency */
+
+typedef float ps_v16 __attribute__((vector_size(64)));
+typedef int32_t ps_m16 __attribute__((vector_size(64)));
+
+static inline ps_v16 ps_v16_set1(float x) { return (ps_v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline ps_v16 ps_v16_select(ps_m16 keep, ps_v16 a, ps_v16 b) { /* keep ? a : b, lane-wise */
+    return (ps_v16)(((ps_m16)a & keep) | ((ps_m16)b & ~keep));
+}
+
+static inline ps_v16 ps_v16_max(ps_v16 a, ps_v16 b) { return ps_v16_select(a > b, a, b); }
+
+static inline ps_v16 ps_v16_exp(ps_v16 x) {
+#ifdef PS_AVX512
+    return (ps_v16)ps_exp16((__m512)x);
+#else
+    ps_v16 r;
+    for (int l = 0; l < 16; ++l) r[l] = ps_exp(x[l]); /* ps_exp(-inf) ~ 1e-38, not 0: harmless here */
+    return r;
+#endif
+}
+
+/* Element i of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array, as float32; and the store back. */
+static inline __attribute__((always_inline)) float ps_pf_load(const void *p, int64_t i, const int bf16) {
+    return bf16 ? ps_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void ps_pf_store(void *p, int64_t i, float x, const int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = ps_f32_to_bf16(x);
+    else ((float *)p)[i] = x;
+}
+
+/* One item: rows r0 .. r0+31 (those < nrows are real; the rest repeat the last real row and are not
+ * stored) of KV head h of one sequence; q and out point at the sequence's first token, K and V at the
+ * head's gathered rows. Two row vectors per item, so each K or V element broadcast from L1 feeds two
+ * FMAs: with one, the broadcasts alone kept both load ports busy (~70% of FMA peak measured).
+ * always_inline: the dispatch below makes copies for constant D and element type (q and out are
+ * float32 or bfloat16 as bf16 says; K and V are the float32 gathered rows either way). */
+static inline __attribute__((always_inline)) void ps_prefill_item(
+    const void *restrict q, const int64_t q_st, const int64_t q_sh, void *restrict out, const int64_t o_st,
+    const int64_t o_sh, const float *restrict K, const float *restrict V, const int64_t offset, const int64_t r0,
+    const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale, const int64_t kmax,
+    float *restrict state, const int bf16) {
+    ps_v16 qt[PS_PF_MAX_D][PS_PF_NV], ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
+    int64_t row_o[PS_PF_ROWS]; /* element offset of each lane's output row */
+    for (int j = 0; j < PS_PF_NV; ++j) {
+        for (int l = 0; l < 16; ++l) {
+            const int64_t r0l = r0 + 16 * j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
+            pos[j][l] = (float)(offset + qi);
+            row_o[16 * j + l] = qi * o_st + k * o_sh;
+            for (int64_t d = 0; d < D; ++d) qt[d][j][l] = ps_pf_load(q, qi * q_st + k * q_sh + d, bf16) * scale;
+        }
+        m[j] = ps_v16_set1(-INFINITY);
+        lsum[j] = ps_v16_set1(0.0f);
+        for (int64_t d = 0; d < D; ++d) ot[d][j] = ps_v16_set1(0.0f);
+    }
+    const int64_t last = r0 + PS_PF_ROWS - 1 < nrows ? r0 + PS_PF_ROWS - 1 : nrows - 1;
+    const int64_t first_pos = offset + r0 / G, kseen = offset + last / G + 1; /* keys 0 .. kend-1 are seen */
+    const int64_t kend = kseen < kmax ? kseen : kmax;
+    for (int64_t k0 = 0; k0 < kend; k0 += 16) {
+        const float *kt = K + k0 * D, *vt = V + k0 * D;
+        ps_v16 s[PS_PF_NV][16];
+        for (int t0 = 0; t0 < 16; t0 += PS_PF_KH) { /* scores, 8 keys at a time: 16 accumulators */
+            ps_v16 acc[PS_PF_NV][PS_PF_KH];
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int t = 0; t < PS_PF_KH; ++t) acc[j][t] = ps_v16_set1(0.0f);
+            const float *kd = kt + t0 * D; /* one pointer walking d: the 8 keys are constant offsets */
+            for (int64_t d = 0; d < D; ++d, ++kd)
+                for (int t = 0; t < PS_PF_KH; ++t) {
+                    const float kb = kd[t * D];
+                    for (int j = 0; j < PS_PF_NV; ++j) acc[j][t] += qt[d][j] * kb;
+                }
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int t = 0; t < PS_PF_KH; ++t) s[j][t0 + t] = acc[j][t];
+        }
+        ps_v16 alpha[PS_PF_NV];
+        for (int j = 0; j < PS_PF_NV; ++j) {
+            if (k0 + 15 > first_pos) /* the tile reaches past some lane's position: causal mask */
+                for (int t = 0; t < 16; ++t)
+                    s[j][t] = ps_v16_select(ps_v16_set1((float)(k0 + t)) <= pos[j], s[j][t], ps_v16_set1(-INFINITY));
+            ps_v16 mt = s[j][0];
+            for (int t = 1; t < 16; ++t) mt = ps_v16_max(mt, s[j][t]);
+            const ps_v16 mnew = ps_v16_max(m[j], mt); /* finite: key 0 is in every lane's first tile */
+            alpha[j] = ps_v16_exp(m[j] - mnew);
+            lsum[j] *= alpha[j];
+            for (int t = 0; t < 16; ++t) {
+                s[j][t] = ps_v16_exp(s[j][t] - mnew); /* s now holds the tile's probabilities p */
+                lsum[j] += s[j][t];
+            }
+            m[j] = mnew;
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += PS_PF_DB) { /* ot = alpha ot + p V, 8 columns at a time */
+            ps_v16 o[PS_PF_NV][PS_PF_DB];
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int i = 0; i < PS_PF_DB; ++i) o[j][i] = ot[d0 + i][j] * alpha[j];
+            for (int t = 0; t < 16; ++t)
+                for (int i = 0; i < PS_PF_DB; ++i) {
+                    const float vb = vt[t * D + d0 + i];
+                    for (int j = 0; j < PS_PF_NV; ++j) o[j][i] += s[j][t] * vb;
+                }
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int i = 0; i < PS_PF_DB; ++i) ot[d0 + i][j] = o[j][i];
+        }
+    }
+    for (int j = 0; j < PS_PF_NV; ++j) {
+        const ps_v16 inv = 1.0f / lsum[j];
+        for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) {
+            if (state) { /* the softmax state, not normalised: paged_attention_decode.c goes on from it */
+                float *st = state + row_o[16 * j + l];
+                st[0] = m[j][l];
+                st[1] = lsum[j][l];
+                for (int64_t d = 0; d < D; ++d) st[2 + d] = ot[d][j][l];
+            } else {
+                for (int64_t d = 0; d < D; ++d) ps_pf_store(out, row_o[16 * j + l] + d, ot[d][j][l] * inv[l], bf16);
+            }
+        }
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(PS_AVX512)
+#define PS_PF_DP 1
+/* bfloat16 with AVX512-BF16: the item above with both products on vdpbf16ps, which multiplies 16
+ * lanes of bf16 pairs and adds each pair's two products into a float32 lane, so one instruction does
+ * the work of two FMAs. Gathered K stays bfloat16 in position rows (a pair of d is one 32-bit word);
+ * gathered V holds position pairs (ps_gather_vpairs: v[t][d] and v[t+1][d] in one word). Scores,
+ * the softmax and the output sums stay float32; the probabilities round to bfloat16 before P.V (as
+ * FlashAttention does on GPUs), so a result may differ from the float32 math by up to 2^-9 of the
+ * largest |V| (tests/kernels/test_paged_attention_cpu.py). The scale is folded into the exp. */
+static inline __attribute__((always_inline)) void ps_prefill_item_dp(
+    const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
+    const int64_t o_sh, const uint16_t *restrict K, const uint32_t *restrict V, const int64_t offset, const int64_t r0,
+    const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale, const int64_t kmax,
+    float *restrict state) {
+    __m512bh qt[PS_PF_MAX_D / 2][PS_PF_NV]; /* lane r: q[row r][2i], q[row r][2i+1] */
+    __m512 ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
+    int64_t row_o[PS_PF_ROWS];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    /* bf16 element 2l of a pair vector from lane l of the first operand of cvtne2ps (its low half),
+     * 2l + 1 from lane l of the second (its high half) */
+    __m512i interleave;
+    {
+        uint16_t idx[32];
+        for (int i = 0; i < 32; ++i) idx[i] = (uint16_t)(i % 2 ? 16 + i / 2 : i / 2);
+        interleave = _mm512_loadu_si512(idx);
+    }
+    for (int j = 0; j < PS_PF_NV; ++j) {
+        uint32_t qw[PS_PF_MAX_D / 2][16];
+        float pj[16];
+        for (int l = 0; l < 16; ++l) {
+            const int64_t r0l = r0 + 16 * j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
+            pj[l] = (float)(offset + qi);
+            row_o[16 * j + l] = qi * o_st + k * o_sh;
+            const uint16_t *qr = q + qi * q_st + k * q_sh;
+            for (int64_t i = 0; i < D / 2; ++i) qw[i][l] = (uint32_t)qr[2 * i] | (uint32_t)qr[2 * i + 1] << 16;
+        }
+        for (int64_t i = 0; i < D / 2; ++i) qt[i][j] = (__m512bh)_mm512_loadu_si512(qw[i]);
+        pos[j] = _mm512_loadu_ps(pj);
+        m[j] = _mm512_set1_ps(-INFINITY);
+        lsum[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) ot[d][j] = _mm512_setzero_ps();
+    }
+    const int64_t last = r0 + PS_PF_ROWS - 1 < nrows ? r0 + PS_PF_ROWS - 1 : nrows - 1;
+    const int64_t first_pos = offset + r0 / G, kseen = offset + last / G + 1, kend = kseen < kmax ? kseen : kmax;
+    for (int64_t k0 = 0; k0 < kend; k0 += 16) {
+        const uint16_t *kt = K + k0 * D;
+        const uint32_t *vt = V + k0 / 2 * D; /* 8 position pairs of D words */
+        __m512 s[PS_PF_NV][16];
+        for (int t0 = 0; t0 < 16; t0 += PS_PF_KH) {
+            __m512 acc[PS_PF_NV][PS_PF_KH];
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int t = 0; t < PS_PF_KH; ++t) acc[j][t] = _mm512_setzero_ps();
+            const uint16_t *kd = kt + t0 * D;
+            for (int64_t i = 0; i < D / 2; ++i, kd += 2)
+                for (int t = 0; t < PS_PF_KH; ++t) {
+                    const __m512bh kb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(kd + t * D));
+                    for (int j = 0; j < PS_PF_NV; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qt[i][j], kb);
+                }
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int t = 0; t < PS_PF_KH; ++t) s[j][t0 + t] = acc[j][t];
+        }
+        __m512 alpha[PS_PF_NV];
+        __m512bh p2[PS_PF_NV][8]; /* lane r: p[r][2u], p[r][2u + 1] in bfloat16 */
+        for (int j = 0; j < PS_PF_NV; ++j) {
+            if (k0 + 15 > first_pos)
+                for (int t = 0; t < 16; ++t)
+                    s[j][t] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + t)), pos[j], _CMP_LE_OQ),
+                                                   _mm512_set1_ps(-INFINITY), s[j][t]);
+            __m512 mt = s[j][0];
+            for (int t = 1; t < 16; ++t) mt = _mm512_max_ps(mt, s[j][t]);
+            const __m512 mnew = _mm512_max_ps(m[j], _mm512_mul_ps(mt, vscale)); /* m: scaled scores */
+            alpha[j] = ps_exp16(_mm512_sub_ps(m[j], mnew));
+            lsum[j] = _mm512_mul_ps(lsum[j], alpha[j]);
+            for (int t = 0; t < 16; ++t) {
+                s[j][t] = ps_exp16(_mm512_fmsub_ps(s[j][t], vscale, mnew));
+                lsum[j] = _mm512_add_ps(lsum[j], s[j][t]);
+            }
+            for (int u = 0; u < 8; ++u)
+                p2[j][u] = (__m512bh)_mm512_permutexvar_epi16(
+                    interleave, (__m512i)_mm512_cvtne2ps_pbh(s[j][2 * u + 1], s[j][2 * u]));
+            m[j] = mnew;
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += PS_PF_DB) {
+            __m512 o[PS_PF_NV][PS_PF_DB];
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int i = 0; i < PS_PF_DB; ++i) o[j][i] = _mm512_mul_ps(ot[d0 + i][j], alpha[j]);
+            for (int u = 0; u < 8; ++u)
+                for (int i = 0; i < PS_PF_DB; ++i) {
+                    const __m512bh vb = (__m512bh)_mm512_set1_epi32((int32_t)vt[u * D + d0 + i]);
+                    for (int j = 0; j < PS_PF_NV; ++j) o[j][i] = _mm512_dpbf16_ps(o[j][i], p2[j][u], vb);
+                }
+            for (int j = 0; j < PS_PF_NV; ++j)
+                for (int i = 0; i < PS_PF_DB; ++i) ot[d0 + i][j] = o[j][i];
+        }
+    }
+    for (int j = 0; j < PS_PF_NV; ++j) {
+        if (state) { /* the softmax state, as in ps_prefill_item */
+            float mj[16], lj[16], ov[16];
+            _mm512_storeu_ps(mj, m[j]);
+            _mm512_storeu_ps(lj, lsum[j]);
+            for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) {
+                state[row_o[16 * j + l]] = mj[l];
+                state[row_o[16 * j + l] + 1] = lj[l];
+            }
+            for (int64_t d = 0; d < D; ++d) {
+                _mm512_storeu_ps(ov, ot[d][j]);
+                for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) state[row_o[16 * j + l] + 2 + d] = ov[l];
+            }
+            continue;
+        }
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), lsum[j]);
+        float ov[16];
+        for (int64_t d = 0; d < D; ++d) {
+            _mm512_storeu_ps(ov, _mm512_mul_ps(ot[d][j], inv));
+            for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) out[row_o[16 * j + l] + d] = ps_f32_to_bf16(ov[l]);
+        }
+    }
+}
+
+/* Positions [p0, p1) of KV head h of a bfloat16 cache as position pairs: word (p / 2) * D + d of dst
+ * holds v[p][d] in its low half and v[p + 1][d] in its high half (p even; p0 even, the pair past
+ * p1 is zero). */
+static void ps_gather_vpairs(const uint16_t *cache, const int32_t *bt_row, int64_t p0, int64_t p1, int64_t BS,
+                             int64_t c_sb, int64_t c_ss, int64_t c_sh, int64_t h, int64_t D, uint32_t *dst) {
+    for (int64_t p = p0; p < p1; p += 2) {
+        const uint16_t *a = cache + (int64_t)bt_row[p / BS] * c_sb + (p % BS) * c_ss + h * c_sh;
+        const uint16_t *b = p + 1 < p1 ? cache + (int64_t)bt_row[(p + 1) / BS] * c_sb + ((p + 1) % BS) * c_ss + h * c_sh
+                                       : NULL;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __mmask16 mk = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a + d));
+            const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, b + d)) : _mm512_setzero_si512();
+            _mm512_mask_storeu_epi32(dst + p / 2 * D + d, mk, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+#endif
+
+/* Positions [p0, p1) of KV head h into the gathered float32 rows dst, one row of D per position
+ * (from a float32 or, bf16 = 1, a bfloat16 cache; strides in elements). */
+static inline __attribute__((always_inline)) void ps_gather(const void *cache, const int32_t *bt_row, int64_t p0,
+                                                            int64_t p1, int64_t BS, int64_t c_sb, int64_t c_ss,
+                                                            int64_t c_sh, int64_t h, int64_t D, float *dst,
+                                                            const int bf16) {
+    for (int64_t p = p0; p < p1; ++p) {
+        const int64_t at = (int64_t)bt_row[p / BS] * c_sb + (p % BS) * c_ss + h * c_sh;
+        if (bf16) ps_load_bf16((const uint16_t *)cache + at, dst + p * D, D);
+        else memcpy(dst + p * D, (const float *)cache + at, (size_t)D * sizeof(float));
+    }
+}
+
+
+/* Positions [p0, p1) of KV head h (p0 a multiple of 16, p1 <= p0 + 16) into a sequence's gathered K and
+ * V at base, padded with zero rows to p0 + 16 (a masked key's score is -inf, but 0 * NaN would still
+ * be NaN). base holds lp positions of Hkv heads: float32 rows [K head 0 | .. | V head 0 | ..]
+ * (ps_prefill_item), or with PS_PF_DP and bf16 bfloat16 K rows and V position pairs in the same
+ * places (ps_prefill_item_dp: K head h at (uint16_t *)base + h lp D, V at (uint32_t *)(base + Hkv lp D)
+ * + h lp / 2 D). */
+static inline void ps_gather_chunk(const void *kc, const void *vc, const int32_t *bt_row, int64_t p0, int64_t p1,
+                                   int64_t BS, int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb, int64_t v_ss,
+                                   int64_t v_sh, int64_t h, int64_t Hkv, int64_t D, int64_t lp, float *base, int bf16) {
+#ifdef PS_PF_DP
+    if (bf16) {
+        uint16_t *Kb = (uint16_t *)base + h * lp * D;
+        uint32_t *Vp = (uint32_t *)(base + Hkv * lp * D) + h * (lp / 2) * D;
+        for (int64_t p = p0; p < p1; ++p)
+            memcpy(Kb + p * D, (const uint16_t *)kc + (int64_t)bt_row[p / BS] * k_sb + (p % BS) * k_ss + h * k_sh,
+                   (size_t)D * sizeof(uint16_t));
+        memset(Kb + p1 * D, 0, (size_t)((p0 + 16 - p1) * D) * sizeof(uint16_t));
+        ps_gather_vpairs(vc, bt_row, p0, p1, BS, v_sb, v_ss, v_sh, h, D, Vp);
+        const int64_t done = (p1 + 1) / 2; /* pairs written, the last maybe half zero */
+        memset(Vp + done * D, 0, (size_t)((p0 + 16) / 2 - done) * D * sizeof(uint32_t));
+        return;
+    }
+#endif
+    float *Kh = base + h * lp * D, *Vh = Kh + Hkv * lp * D;
+    if (bf16) { /* literal element types: each call is specialised */
+        ps_gather(kc, bt_row, p0, p1, BS, k_sb, k_ss, k_sh, h, D, Kh, 1);
+        ps_gather(vc, bt_row, p0, p1, BS, v_sb, v_ss, v_sh, h, D, Vh, 1);
+    } else {
+        ps_gather(kc, bt_row, p0, p1, BS, k_sb, k_ss, k_sh, h, D, Kh, 0);
+        ps_gather(vc, bt_row, p0, p1, BS, v_sb, v_ss, v_sh, h, D, Vh, 0);
+    }
+    memset(Kh + p1 * D, 0, (size_t)((p0 + 16 - p1) * D) * sizeof(float));
+    memset(Vh + p1 * D, 0, (size_t)((p0 + 16 - p1) * D) * sizeof(float));
+}
+#endif
