@@ -19,7 +19,7 @@ share enough keys (csrc/paged_attention_decode.c: 16 rows in bfloat16 with AVX51
 float32, 64 keys, AVX-512 only) the kernel attends the shared keys once for all of them with the
 prefill kernel's flash items and each sequence goes on from their softmax state; otherwise each
 sequence reads the shared blocks itself, from cache. Measured per layer on a 2-core AMD EPYC Zen 5
-(4 x 16 sequences over 1,024 shared tokens, bfloat16): 1.29-1.48 -> 0.51-0.60 ms; GSP's bfloat16
+(4 x 16 sequences over 1,024 shared tokens, bfloat16): 1.33-1.54 -> 0.55-0.92 ms; GSP's bfloat16
 decode attention 1.35 -> 0.79 s (`benchmarks/profile_gsp.py`). The C kernels take their scratch
 memory from the caller (kernels/cpu/scratch.py); the bound op set keeps one.
 """

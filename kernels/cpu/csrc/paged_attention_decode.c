@@ -360,11 +360,12 @@ PS_DEFINE_ITEM_AVX2(ps_item_avx_bf16, uint16_t, PS_LOAD8_BF16, ps_store_bf16)
  *         phase 2: items of 32 (member, query head) rows over them, no mask -> state[i][head] (m, l, acc[D])
  *         phase 3: every sequence's item from `start` = its group's nkeys (0 outside groups), init = state
  */
-/* Query rows a group needs (members x G). Measured per layer (2-core Zen 5, 9 query / 3 KV heads, a
- * 1,024-token prefix; benchmarks/cpu_kernels.py --cases attention): bfloat16 pairs win from one part-
- * filled item on (8 samples, 24 rows: 0.168 -> 0.152 ms; 4 x 16 sequences: 1.37 -> 0.92; 64: 1.34 ->
- * 0.57); float32 items only with several full ones (64 sequences, 192 rows: 1.36 -> 0.87 ms; 2 x 32:
- * 1.40 -> 1.12; 4 x 16, 48 rows: 1.42 -> 1.6-1.9, slower; 8 samples: 0.17 -> 0.26, slower). */
+/* Query rows a group needs (members x G). Measured per layer, before -> after, two processes each
+ * (2-core AMD EPYC Zen 5, 9 query / 3 KV heads, 1,024 shared tokens + 16-80 own, scratch reused):
+ * bfloat16 pairs win from one part-filled item on (8 samples, 24 rows: 0.19 -> 0.10-0.16 ms; 4 x 16
+ * sequences: 1.33-1.54 -> 0.55-0.92; 64: 1.28-1.31 -> 0.38-0.54); float32 items only with several
+ * full ones (64 sequences, 192 rows: 1.36-1.39 -> 0.82-0.86; 2 x 32: 1.34-1.50 -> 1.03-1.08; 4 x 16,
+ * 48 rows: 1.43 -> 1.6-1.9, slower; 8 samples: 0.17-0.19 -> 0.25-0.28, slower). */
 #define PS_SHARED_MIN_ROWS_BF16 16
 #define PS_SHARED_MIN_ROWS_F32 96
 #define PS_SHARED_MIN_KEYS 64
