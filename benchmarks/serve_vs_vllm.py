@@ -124,10 +124,20 @@ def measure(engine: str, folder: str, dtype: str, rates: list[float], logs: Path
         for i, rate in enumerate(rates):
             result["sweep"][str(rate)] = r = bench(url, folder, "prefix_repetition", str(rate), 48, None, seed=100 + i)
             print(f"  {engine} {dtype} rate {rate}: TTFT p99 {r['p99_ttft_ms']:.0f} ms", flush=True)
-        ok = [rate for rate in rates
-              if result["sweep"][str(rate)]["p99_ttft_ms"] < TTFT_LIMIT_MS and not result["sweep"][str(rate)]["failed"]]
-        result["max_rate_p99_ttft_under_2s"] = max(ok, default=None)
+        result["max_rate_p99_ttft_under_2s"] = sustained_rate(result["sweep"])
         return result
+
+
+def sustained_rate(sweep: dict) -> float | None:
+    """The highest swept rate at which, and at every lower one, p99 TTFT stayed under the limit with no
+    failures: a rate that passes above one that did not is noise (a short Poisson run), not capacity."""
+    best = None
+    for rate in sorted(sweep, key=float):
+        r = sweep[rate]
+        if r["p99_ttft_ms"] >= TTFT_LIMIT_MS or r["failed"]:
+            break
+        best = float(rate)
+    return best
 
 
 def main() -> None:
