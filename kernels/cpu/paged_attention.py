@@ -90,8 +90,7 @@ def call_decode(fn, args: tuple, scratch: Scratch, nb: int) -> None:
     """The C decode entry with `scratch` for its shared-prefix work, grown and called again when the
     kernel asks for more (it computes nothing then)."""
     need = ctypes.c_int64(0)
-    buf = scratch.take(scratch.floats)
-    bad = fn(*args, buf.data_ptr(), buf.numel(), ctypes.byref(need))
+    bad = fn(*args, scratch.data_ptr(), scratch.floats, ctypes.byref(need))
     if bad == 3:
         buf = scratch.take(need.value)
         bad = fn(*args, buf.data_ptr(), buf.numel(), ctypes.byref(need))

@@ -25,6 +25,10 @@ class Scratch:
     def floats(self) -> int:
         return self._buf.numel()
 
+    def data_ptr(self) -> int:
+        """The whole buffer's address (``floats`` long), for a C kernel that takes what it needs."""
+        return self._buf.data_ptr()
+
     def take(self, floats: int) -> torch.Tensor:
         """A view of at least `floats` float32 elements (its contents are garbage)."""
         if floats > self._buf.numel():
