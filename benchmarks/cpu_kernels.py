@@ -5,7 +5,8 @@ through the torch path it replaces (for linears: F.linear), each timed back to b
 process; reports milliseconds and the ratio ("c_ms" is ours).
 
 * decode attention (9 query / 3 KV heads, head_dim 64, blocks of 16 scattered over a pool larger
-  than the caches), per layer: batch 64 at 350 tokens (offline decode), 4 at 530 (beam search);
+  than the caches), per layer: batch 64 at 350 tokens (offline decode), 4 at 530 (beam search),
+  and 64 sequences over shared 1,024-token prefixes (4 x 16 as in GSP, 1 x 64);
 * prefill attention, per layer: 5 prompts of 410 tokens, one 2,048-token prompt, a 512-token
   chunk after 1,536 cached tokens (bfloat16 on an AMX CPU: SDPA on both sides);
 * linears over all 30 layers' weights (qkv, o, gate_up, down) plus the tied lm_head, one decode
@@ -69,6 +70,38 @@ def attention_cases(dtype: torch.dtype, repeat: int) -> dict:
         out[f"attention b{batch} ctx{ctx}"] = {
             "c_ms": ms(lambda: paged_attention_decode_cpu(*args), repeat),
             "torch_ms": ms(lambda: paged_attention_decode_torch(*args), repeat),
+        }
+    out.update(shared_prefix_cases(dtype, repeat, gen))
+    return out
+
+
+def shared_prefix_cases(dtype: torch.dtype, repeat: int, gen: torch.Generator) -> dict:
+    """Decode over shared prefixes (GSP: 4 prompts x 16 questions; 64 samples of one prompt): 1,024
+    shared tokens + 64-79 own each, the kernel's scratch reused across calls as the engine does."""
+    from kernels.cpu.paged_attention import paged_attention_decode_cpu
+    from kernels.cpu.scratch import Scratch
+    from kernels.paged_attention_decode import paged_attention_decode_torch
+
+    out = {}
+    for groups, per in ((4, 16), (1, 64)):
+        ids = iter(torch.randperm(6000, generator=gen).tolist())
+        tables, lens = [], []
+        for _ in range(groups):
+            prefix = [next(ids) for _ in range(1024 // BS)]
+            for i in range(per):
+                own = 64 + i % 16
+                tables.append(prefix + [next(ids) for _ in range(-(-own // BS))])
+                lens.append(1024 + own)
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        k = torch.randn(6000, BS, HKV, D, generator=gen).to(dtype)
+        v = torch.randn(6000, BS, HKV, D, generator=gen).to(dtype)
+        q = torch.randn(len(lens), HQ, D, generator=gen).to(dtype)
+        args = (q, k, v, table, torch.tensor(lens, dtype=torch.int32), D**-0.5)
+        scratch = Scratch()
+        out[f"attention shared {groups}x{per} ctx1024+64"] = {
+            "c_ms": ms(lambda: paged_attention_decode_cpu(*args, scratch=scratch), repeat),
+            "torch_ms": ms(lambda: paged_attention_decode_torch(*args), max(3, repeat // 4)),
         }
     return out
 
