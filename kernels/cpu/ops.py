@@ -15,12 +15,13 @@ arithmetic per layer, so Python's share shows. Measured on SmolLM2 float32 (AVX-
 4-row decode forward took 30.3 ms through modules and checking launchers and 24.1 ms through
 direct kernel calls, most of the rest being the weight read.
 
-Linear policy (one place): weights packed for oneDNN at bind run through it at every row count,
-except on CPUs without AVX-512, where 1-8 rows take the C kernel on the plain weight
-(linear.SmallRowsWeight, linear.rows_over_packed); unpacked weights take the C kernel for 2-16 rows
-in float32 (2-8 in bfloat16 where the CPU has AVX512-BF16; see kernels/cpu/linear.py), oneDNN for
-the other float32 row counts (MKL's sgemm takes an AVX2 path on AMD CPUs;
-kernels/cpu/onednn_linear.py), F.linear otherwise. Without a C
+Linear policy (one place): weights packed for oneDNN at bind run through it, except for the few
+rows where the C kernel (one sequential read of the plain weight) is faster: 1-2 rows in float32
+and 1-5 in bfloat16 with AVX-512, 1-8 float32 rows with AVX2 only (linear.SmallRowsWeight,
+linear.rows_over_packed). Unpacked weights take the C kernel for 1-16 rows in float32 (1-8 in
+bfloat16 where the CPU has AVX512-BF16; see kernels/cpu/linear.py), oneDNN for the other float32
+row counts (MKL's sgemm takes an AVX2 path on AMD CPUs; kernels/cpu/onednn_linear.py), F.linear
+otherwise. Without a C
 compiler and without oneDNN, W @ x^T for 2-10 float32 rows, which measured faster than F.linear
 on the machine it was tuned on.
 """
@@ -70,15 +71,14 @@ def pack_weight(weight):
     """oneDNN's packed copy of a float32 / bfloat16 weight (onednn_linear.pack_weight), kept beside the
     plain one where the C kernel takes some row counts (linear.rows_over_packed); anything else as is."""
     packed = onednn_linear.pack_weight(weight)
-    if (packed is not weight and weight.dtype == torch.float32 and rows_over_packed()
-            and native_kernels() is not None):
+    if packed is not weight and rows_over_packed(weight.dtype):
         return SmallRowsWeight(weight.detach().contiguous(), packed)
     return packed
 
 
 def _checked_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if type(weight) is SmallRowsWeight:
-        if x.dim() == 2 and x.shape[0] in rows_over_packed():
+        if x.dim() == 2 and x.shape[0] in rows_over_packed(weight.plain.dtype):
             return linear_covered(x, weight.plain, bias)
         weight = weight.packed
     if weight.is_mkldnn:  # packed at bind (onednn_linear.pack_weight)
@@ -109,7 +109,7 @@ class _BoundCpuOps:
         self.native, self.dtype = native, dtype
         self.c_linear = native.linear_for(dtype)
         self.linear_rows = rows_covered(native, dtype)
-        self.rows_over_packed = rows_over_packed()
+        self.rows_over_packed = rows_over_packed(dtype)
         use_onednn = dtype == torch.float32 and onednn_linear.onednn_linear_available()
         self.other_linear = _onednn if use_onednn else F.linear
         self.norm_fn = native.elementwise_for("add_rms_norm", dtype)

@@ -31,9 +31,11 @@ def test_weight_major_rows_are_small_batches():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows,k,n", [(2, 576, 960), (5, 96, 161), (8, 1536, 576), (9, 37, 64), (16, 576, 3072), (3, 15, 7)])
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (1, 47, 33), (2, 63, 7), (2, 576, 960), (5, 96, 161),
+                                      (8, 1536, 576), (9, 37, 64), (16, 576, 3072), (3, 15, 7)])
 def test_c_linear_matches_f_linear(rows, k, n, bias):
-    """The C kernel (2-16 rows, float32): every K tail (K % 16), odd N, the second 8-row pass."""
+    """The C kernel (1-16 rows, float32): every K tail (K % 16) after the 32-wide steps of 1-4 rows,
+    odd N, the second 8-row pass."""
     from kernels.cpu.native import native_kernels
     from kernels.cpu.linear import covers, linear_cpu
 
@@ -49,9 +51,11 @@ def test_c_linear_matches_f_linear(rows, k, n, bias):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows,k,n", [(2, 576, 960), (5, 96, 161), (8, 1536, 576), (3, 37, 64), (4, 33, 7)])
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (1, 100, 33), (2, 576, 960), (5, 96, 161), (8, 1536, 576),
+                                      (3, 37, 64), (4, 33, 7), (4, 127, 9)])
 def test_c_linear_bf16_matches_f_linear(rows, k, n, bias):
-    """bfloat16 (AVX512-BF16 CPUs, 2-8 rows): every K tail (K % 32), odd N; float32 sums rounded once,
+    """bfloat16 (AVX512-BF16 CPUs, 1-8 rows): every K tail (K % 32) after the 64-wide steps of 1-4
+    rows, odd N; float32 sums rounded once,
     as F.linear's: the same bits but for rare ties of the final rounding."""
     from kernels.cpu.native import native_kernels
     from kernels.cpu.linear import covers, linear_cpu
@@ -73,7 +77,7 @@ def test_c_linear_covers_only_small_cpu_batches():
     from kernels.cpu.linear import BF16_MAX_ROWS, covers
 
     w = torch.empty(8, 4)
-    assert not covers(torch.empty(1, 4), w) and not covers(torch.empty(17, 4), w)
+    assert covers(torch.empty(1, 4), w) == (native_kernels() is not None) and not covers(torch.empty(17, 4), w)
     assert not covers(torch.empty(4, 4), torch.empty(4, 8).t())  # a transposed weight
     assert not covers(torch.empty(4, 4, dtype=torch.float16), w.half())
     assert not covers(torch.empty(4, 4, dtype=torch.bfloat16), w)  # mixed dtypes
@@ -82,7 +86,7 @@ def test_c_linear_covers_only_small_cpu_batches():
     assert not covers(torch.empty(BF16_MAX_ROWS + 1, 4, dtype=torch.bfloat16), w.bfloat16())
 
 
-@pytest.mark.parametrize("rows", [1, 17, 64])
+@pytest.mark.parametrize("rows", [17, 64])
 def test_float32_rows_outside_the_c_kernel_go_to_onednn(rows, monkeypatch):
     from kernels.cpu import onednn_linear
 

@@ -18,53 +18,37 @@
  */
 #define PS_LIN_MB 8
 #define PS_LIN_TILE 64
-/* Software prefetch of the next pair of weight rows (2 rows ahead): the hardware prefetcher alone
- * left the weight stream at ~17 GB/s, with it ~22 GB/s (SmolLM2's 30 layers at 4 rows). */
+/* AVX2 path: software prefetch of the next pair of weight rows (2 rows ahead): the hardware
+ * prefetcher alone left the weight stream at ~17 GB/s, with it ~22 GB/s (SmolLM2's 30 layers at 4
+ * rows). The AVX-512 paths read one row at a time and need none (see ps_lin_cols). */
 #define PS_LIN_PF 2
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-/* Two weight rows per pass (2 x MB accumulators + 2 weight vectors stay in the 32 zmm registers):
- * each input vector loaded once feeds two FMAs. K's tail goes through masked loads. */
+/* One weight row per pass, read front to back: a row is one sequential stream, which the hardware
+ * prefetcher follows at the core's full read rate. Two rows per pass (two streams K apart, as this
+ * kernel had) measured half that on a 2-core AMD EPYC Zen 4 (one core: 10-11 vs 20.6 GB/s, the rate
+ * of a plain streaming read; 30 layers of 3072 x 576 bf16, /tmp harness), and software prefetch did
+ * not help either. Few inputs get two accumulator sets (alternate 16-float blocks of k) so the FMA
+ * chains overlap; K's tail goes through masked loads. */
 static inline __attribute__((always_inline)) void ps_lin_cols(const float *restrict x, const int64_t ldx,
                                                               const float *restrict w, const int64_t K,
                                                               float *restrict out, const int64_t ldo,
                                                               const int64_t n0, const int64_t n1, const int MB) {
     const __mmask16 tail = (__mmask16)((1u << (K % 16)) - 1u);
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) {
-        const float *w0 = w + n * K, *w1 = w0 + K;
+    for (int64_t n = n0; n < n1; ++n) {
+        const float *w0 = w + n * K;
         __m512 a0[PS_LIN_MB], a1[PS_LIN_MB];
         for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
         int64_t k = 0;
-        for (; k + 16 <= K; k += 16) {
-            _mm_prefetch((const char *)(w0 + PS_LIN_PF * K + k), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + PS_LIN_PF * K + k), _MM_HINT_T0);
-            const __m512 v0 = _mm512_loadu_ps(w0 + k), v1 = _mm512_loadu_ps(w1 + k);
-            for (int m = 0; m < MB; ++m) {
-                const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
-                a0[m] = _mm512_fmadd_ps(v0, xv, a0[m]);
-                a1[m] = _mm512_fmadd_ps(v1, xv, a1[m]);
+        if (MB <= 4)
+            for (; k + 32 <= K; k += 32) {
+                const __m512 v0 = _mm512_loadu_ps(w0 + k), v1 = _mm512_loadu_ps(w0 + k + 16);
+                for (int m = 0; m < MB; ++m) {
+                    a0[m] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + m * ldx + k), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + m * ldx + k + 16), a1[m]);
+                }
             }
-        }
-        if (tail) {
-            const __m512 v0 = _mm512_maskz_loadu_ps(tail, w0 + k), v1 = _mm512_maskz_loadu_ps(tail, w1 + k);
-            for (int m = 0; m < MB; ++m) {
-                const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + k);
-                a0[m] = _mm512_fmadd_ps(v0, xv, a0[m]);
-                a1[m] = _mm512_fmadd_ps(v1, xv, a1[m]);
-            }
-        }
-        for (int m = 0; m < MB; ++m) {
-            out[m * ldo + n] = _mm512_reduce_add_ps(a0[m]);
-            out[m * ldo + n + 1] = _mm512_reduce_add_ps(a1[m]);
-        }
-    }
-    for (; n < n1; ++n) { /* an odd last column */
-        const float *w0 = w + n * K;
-        __m512 a0[PS_LIN_MB];
-        for (int m = 0; m < MB; ++m) a0[m] = _mm512_setzero_ps();
-        int64_t k = 0;
         for (; k + 16 <= K; k += 16) {
             const __m512 v0 = _mm512_loadu_ps(w0 + k);
             for (int m = 0; m < MB; ++m) a0[m] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + m * ldx + k), a0[m]);
@@ -74,7 +58,8 @@ static inline __attribute__((always_inline)) void ps_lin_cols(const float *restr
             for (int m = 0; m < MB; ++m)
                 a0[m] = _mm512_fmadd_ps(v0, _mm512_maskz_loadu_ps(tail, x + m * ldx + k), a0[m]);
         }
-        for (int m = 0; m < MB; ++m) out[m * ldo + n] = _mm512_reduce_add_ps(a0[m]);
+        for (int m = 0; m < MB; ++m)
+            out[m * ldo + n] = _mm512_reduce_add_ps(MB <= 4 ? _mm512_add_ps(a0[m], a1[m]) : a0[m]);
     }
 }
 #elif defined(PS_AVX2)
@@ -181,38 +166,36 @@ static inline __attribute__((always_inline)) void ps_lin_cols_bf16(const uint16_
                                                                    const uint16_t *restrict w, const int64_t K,
                                                                    float *restrict acc_out, const int64_t n0,
                                                                    const int64_t n1, const int MB) {
-    /* acc_out[m * (n1 - n0) + (n - n0)]: float sums, rounded by the caller. */
+    /* acc_out[m * (n1 - n0) + (n - n0)]: float sums, rounded by the caller. One weight row per pass
+     * (one sequential stream; see ps_lin_cols), two accumulator sets for few inputs. */
     const __mmask32 tail = (__mmask32)((K % 32) ? ((1ull << (K % 32)) - 1ull) : 0u);
     const int64_t W = n1 - n0;
-    for (int64_t n = n0; n < n1; n += 2) {
-        const int two = n + 1 < n1;
-        const uint16_t *w0 = w + n * K, *w1 = two ? w0 + K : w0;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint16_t *w0 = w + n * K;
         __m512 a0[PS_LIN_MB], a1[PS_LIN_MB];
         for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
         int64_t k = 0;
-        for (; k + 32 <= K; k += 32) {
-            _mm_prefetch((const char *)(w0 + PS_LIN_PF * K + k), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + PS_LIN_PF * K + k), _MM_HINT_T0);
-            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + k), v1 = (__m512bh)_mm512_loadu_si512(w1 + k);
-            for (int m = 0; m < MB; ++m) {
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
-                a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
-                a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
+        if (MB <= 4)
+            for (; k + 64 <= K; k += 64) {
+                const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + k);
+                const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w0 + k + 32);
+                for (int m = 0; m < MB; ++m) {
+                    a0[m] = _mm512_dpbf16_ps(a0[m], v0, (__m512bh)_mm512_loadu_si512(x + m * ldx + k));
+                    a1[m] = _mm512_dpbf16_ps(a1[m], v1, (__m512bh)_mm512_loadu_si512(x + m * ldx + k + 32));
+                }
             }
+        for (; k + 32 <= K; k += 32) {
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + k);
+            for (int m = 0; m < MB; ++m)
+                a0[m] = _mm512_dpbf16_ps(a0[m], v0, (__m512bh)_mm512_loadu_si512(x + m * ldx + k));
         }
         if (tail) {
             const __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w0 + k);
-            const __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(tail, w1 + k);
-            for (int m = 0; m < MB; ++m) {
-                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + k);
-                a0[m] = _mm512_dpbf16_ps(a0[m], v0, xv);
-                a1[m] = _mm512_dpbf16_ps(a1[m], v1, xv);
-            }
+            for (int m = 0; m < MB; ++m)
+                a0[m] = _mm512_dpbf16_ps(a0[m], v0, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + k));
         }
-        for (int m = 0; m < MB; ++m) {
-            acc_out[m * W + (n - n0)] = _mm512_reduce_add_ps(a0[m]);
-            if (two) acc_out[m * W + (n - n0) + 1] = _mm512_reduce_add_ps(a1[m]);
-        }
+        for (int m = 0; m < MB; ++m)
+            acc_out[m * W + (n - n0)] = _mm512_reduce_add_ps(MB <= 4 ? _mm512_add_ps(a0[m], a1[m]) : a0[m]);
     }
 }
 
