@@ -39,7 +39,7 @@ DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"{op}.c" for op in ("paged_attention_decode", "paged_attention_prefill", "store_kv", "linear",
-                                             "add_rms_norm", "silu_mul", "rope", "int4_linear"))
+                                             "add_rms_norm", "silu_mul", "rope", "int4_linear", "top_p"))
 HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h", CSRC / "flash_item.h")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
@@ -68,6 +68,8 @@ RMS_NORM_ARGTYPES = [_P] * 5 + [_I64] * 6 + [_F, _INT]
 SILU_MUL_ARGTYPES = [_P] * 2 + [_I64] * 4 + [_INT]
 # qk (in place), cos, sin; rows, heads, head_dim, qk/cos row strides; nthreads
 ROPE_ARGTYPES = [_P] * 3 + [_I64] * 5 + [_INT]
+# logits; S, V, row stride; ks (int64), ps (float32), out, kept (int64); nthreads -> 2 without memory
+TOP_P_ARGTYPES = [_P] + [_I64] * 3 + [_P] * 4 + [_INT]
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class NativeKernels:
     max_prefill_head_dim: int
     prefill_head_dim_multiple: int
     path: Path
+    top_k_top_p: ctypes._CFuncPtr  # sampling's top-k / top-p filter (csrc/top_p.c)
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
     # stack alike. Callers check the dtype with has_dtype first.
@@ -205,9 +208,10 @@ def _load(path: Path) -> NativeKernels:
     lib.ps_int4_linear.argtypes, lib.ps_int4_linear.restype = INT4_LINEAR_ARGTYPES, ctypes.c_int64
     lib.ps_int4_linear_available.restype = ctypes.c_int64
     int4_linear = lib.ps_int4_linear if lib.ps_int4_linear_available() else None
+    lib.ps_top_k_top_p.argtypes, lib.ps_top_k_top_p.restype = TOP_P_ARGTYPES, ctypes.c_int64
     return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, int4_linear, elementwise,
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
-                         lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path)
+                         lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p)
 
 
 @functools.cache

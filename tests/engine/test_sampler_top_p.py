@@ -1,9 +1,16 @@
-"""The fast top-k / top-p filter (numpy's value sort and a threshold) keeps exactly the reference's
-set (a torch sort and a scatter, as vLLM does)."""
+"""The top-k / top-p filter (kernels/sampling.py: the C kernel's radix select of the cut values) keeps
+exactly the reference's set (a torch sort and a scatter, as vLLM does) and gives its probabilities."""
 import pytest
 import torch
 
-from engine.sampler import top_k_top_p, top_k_top_p_sorted
+from kernels.cpu.native import native_kernels
+from kernels.sampling import top_k_top_p_probs, top_k_top_p_probs_torch
+
+
+def _assert_same_distribution(fast: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.equal(fast > 0, ref > 0)  # the same kept set, token for token
+    torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(fast.sum(-1), torch.ones(fast.shape[0]))
 
 
 def _logits(kind: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -23,19 +30,55 @@ def test_fast_filter_keeps_the_reference_set(kind, vocab, k, p):
     logits = _logits(kind, 6, vocab, seed=vocab + k)
     ks = torch.full((6,), k if k > 0 else vocab).clamp(max=vocab)
     ps = torch.full((6,), p)
-    fast, ref = top_k_top_p(logits, ks, ps), top_k_top_p_sorted(logits, ks, ps)
-    assert torch.equal(torch.isfinite(fast), torch.isfinite(ref))
-    assert torch.equal(fast[torch.isfinite(fast)], ref[torch.isfinite(ref)])
+    _assert_same_distribution(top_k_top_p_probs(logits, ks, ps), top_k_top_p_probs_torch(logits, ks, ps))
 
 
 def test_rows_with_different_settings_in_one_batch():
     logits = torch.cat([_logits("peaked", 2, 49152, 1), _logits("flat", 2, 49152, 2)])
     ks = torch.tensor([49152, 30, 49152, 3000])
     ps = torch.tensor([0.9, 1.0, 0.95, 0.7])
-    fast, ref = top_k_top_p(logits, ks, ps), top_k_top_p_sorted(logits, ks, ps)
-    assert torch.equal(torch.isfinite(fast), torch.isfinite(ref))
-    kept = torch.isfinite(fast).sum(-1)
+    fast = top_k_top_p_probs(logits, ks, ps)
+    _assert_same_distribution(fast, top_k_top_p_probs_torch(logits, ks, ps))
+    kept = (fast > 0).sum(-1)
     assert int(kept[2]) > 10_000 and int(kept[0]) < 1_000  # a flat row's nucleus is most of the vocabulary
+
+
+def test_ties_masked_rows_and_declined_rows():
+    """Tied logits at the cut are all kept (as the reference's "values >= the smallest kept"); -inf
+    tokens (min_p, grammar) never are; a row with a NaN or no finite logit goes to the reference."""
+    ties = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.5, 3.0], [0.0] * 6])
+    ks, ps = torch.tensor([2, 6]), torch.tensor([1.0, 0.5])
+    fast = top_k_top_p_probs(ties, ks, ps)
+    _assert_same_distribution(fast, top_k_top_p_probs_torch(ties, ks, ps))
+    assert (fast[0] > 0).tolist() == [False, True, True, True, False, True]
+    assert bool((fast[1] > 0).all())  # one value: the cut falls inside the tie, which is kept whole
+    masked = torch.randn(3, 1000)
+    masked[:, ::3] = float("-inf")
+    masked[2] = float("-inf")
+    masked[2, 7] = 1.0  # one finite token
+    ks, ps = torch.full((3,), 1000), torch.tensor([0.9, 1.0, 0.9])
+    fast = top_k_top_p_probs(masked, ks, ps)
+    assert not bool((fast[:2, ::3] > 0).any()) and fast[2, 7] == 1.0
+    _assert_same_distribution(fast, top_k_top_p_probs_torch(masked, ks, ps))
+    nan = torch.randn(2, 500)
+    nan[1, 3] = float("nan")
+    out = top_k_top_p_probs(nan, torch.tensor([500, 500]), torch.tensor([0.9, 0.9]))
+    torch.testing.assert_close(out[0], top_k_top_p_probs_torch(nan[:1], torch.tensor([500]), torch.tensor([0.9]))[0])
+    assert torch.equal(out[1].isnan(), top_k_top_p_probs_torch(nan[1:], torch.tensor([500]), torch.tensor([0.9]))[0].isnan())
+
+
+def test_bad_arguments_are_rejected():
+    x = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="float32"):
+        top_k_top_p_probs(x.double(), torch.tensor([10, 10]), torch.tensor([0.5, 0.5]))
+    with pytest.raises(ValueError, match="shape"):
+        top_k_top_p_probs(x, torch.tensor([10]), torch.tensor([0.5, 0.5]))
+    with pytest.raises(ValueError, match="in \\(0, 1\\]"):
+        top_k_top_p_probs(x, torch.tensor([10, 10]), torch.tensor([0.0, 0.5]))
+
+
+def test_the_kernel_is_built_here():
+    assert native_kernels() is not None  # CI has a C compiler: the tests above ran the kernel
 
 
 def test_the_race_over_kept_tokens_draws_from_the_distribution():
