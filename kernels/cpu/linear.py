@@ -1,6 +1,9 @@
-"""Small-batch float32 / bfloat16 linear on CPU through the C kernel in csrc/linear.c.
+"""float32 / bfloat16 linear on CPU through the C kernels: csrc/linear.c on a plain weight (small
+batches) and csrc/lanes_linear.c on a weight packed at bind into its lanes layout (every row count
+where the CPU has AVX-512; see c_kernel_rows for the policy and what it was measured on).
 
     linear_cpu(x[M, K], weight[N, K], bias[N] | None) -> out[M, N]      (the signature of F.linear)
+    lanes_linear(x[M, K], CpuLinearWeight, bias[N] | None) -> out[M, N]
 
 The torch reference is ``torch.nn.functional.linear``; this computes the same products and sums in
 another order (float32 rounding apart, the same result; bfloat16 sums in float32 and rounds once,
@@ -12,46 +15,96 @@ file for why.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .native import DTYPE_SUFFIX, NativeKernels, cpu_has_avx512, native_kernels
+from .native import DTYPE_SUFFIX, NativeKernels, cpu_has_amx, cpu_has_avx512, native_kernels
 # bfloat16 rows the C kernel takes: above 8 it makes a second pass over each weight row, and
 # oneDNN's AMX path wins (SmolLM2's 30 layers: 13/16/33 ms per step at 4/8/16 rows vs F.linear's
 # 22/23/24 ms).
 BF16_MAX_ROWS = 8
 
 
+EVERY_ROW = sys.maxsize  # CpuLinearWeight.small_rows when the C kernel takes every row count
+
+
 @dataclass(frozen=True, slots=True)
-class SmallRowsWeight:
-    """A linear weight in both forms, for where the C kernel beats oneDNN's packed copy at
-    a few rows (:func:`rows_over_packed`): ``plain`` [N, K] (the module's own tensor, no copy) for those
-    rows and ``packed`` (onednn_linear.pack_weight) for the rest."""
+class CpuLinearWeight:
+    """A linear weight in the forms the bound CPU linear reads (:func:`c_kernel_rows` says which):
 
-    plain: torch.Tensor
-    packed: torch.Tensor
+    - ``small``: the C kernel's form for 1..``small_rows`` rows: the lanes layout (:func:`pack_lanes`,
+      csrc/lanes_linear.c; ``lanes`` True) where the CPU has AVX-512, else the plain weight [N, K]
+      (the module's own tensor, no copy) for the row kernel (csrc/linear.c);
+    - ``packed``: oneDNN's packed copy (onednn_linear.pack_weight) for the other row counts, or None
+      where ``small`` takes every row count (``small_rows`` == EVERY_ROW).
+
+    ``shape`` is the weight's (N, K)."""
+
+    small: torch.Tensor
+    packed: torch.Tensor | None
+    shape: tuple[int, int]
+    lanes: bool
+    small_rows: int
 
 
-def rows_over_packed(dtype: torch.dtype) -> range:
-    """Row counts the C kernel runs in ``dtype`` even where a packed oneDNN weight exists.
+LANES = 32  # output columns per block of the lanes layout (csrc/lanes_linear.c)
 
-    Measured on SmolLM2's 30 layers of linears, weights streamed from memory (/tmp harness as
-    benchmarks/packed_linear.py, best of 5 x 10 steps):
-    - AVX2 only, float32 (2-core AMD EPYC): 1 row 20-23 ms vs oneDNN's 21-26, 4 rows 18-19 vs 25-27,
-      8 rows 22-26 vs 30-33, 16 rows a tie (39-41 vs 40-46): rows 1-8.
-    - AVX-512, with the kernel reading one weight row per pass (2-core AMD EPYC Zen 4): float32
-      1 / 2 / 3 rows 13.8-14.4 / 14.0-14.5 / 19.4 ms vs 18.9-19.2 / 20.9-21.8 / 18.9: rows 1-2.
-      bfloat16 1 / 3 / 5 / 6 / 8 rows 7.0 / 7.1 / 8.4 / 10.6 / 12.5 ms vs 10.7 / 9.7 / 9.3 / 9.6 /
-      11.2: rows 1-5. (The weights alone stream in 5.3-5.7 ms in bfloat16.)
-    """
+
+def pack_lanes(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 / bfloat16 -> the lanes layout of csrc/lanes_linear.c, zero-padded:
+    float32 [ceil(N/32), K, 32]; bfloat16 [ceil(N/32), ceil(K/2), 32, 2] (k in pairs)."""
+    n, k = weight.shape
+    w = weight.detach()
+    if weight.dtype == torch.bfloat16:
+        w = F.pad(w, (0, k % 2, 0, -n % LANES))  # [Np, Kp]
+        return w.view(-1, LANES, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()  # [Np/32, Kp/2, 32, 2]
+    w = F.pad(w, (0, 0, 0, -n % LANES))  # [Np, K]
+    return w.view(-1, LANES, k).permute(0, 2, 1).contiguous()  # [Np/32, K, 32]
+
+
+def has_lanes(dtype: torch.dtype) -> bool:
     native = native_kernels()
-    if native is None or native.linear_for(dtype) is None:
-        return range(0)
-    if dtype == torch.bfloat16:
-        return range(1, 6)
-    return range(1, 3) if cpu_has_avx512() else range(1, 9)
+    return dtype in DTYPE_SUFFIX and native is not None and native.lanes_for(dtype) is not None
+
+
+def c_kernel_rows(dtype: torch.dtype) -> int:
+    """How many rows (1..n) of a ``dtype`` linear the C kernel takes over oneDNN's packed weight on this
+    CPU: 0 for none, EVERY_ROW for every row count.
+
+    Measured on SmolLM2's 30 layers of linears, weights streamed from memory (benchmarks/packed_linear.py):
+    - AVX-512 (the lanes kernel), 2-core AMD EPYC Zen 4, lanes / packed oneDNN: bfloat16 1 row 6.6 /
+      10.9 ms, 8 rows 6.7 / 11.3, 64 rows 32.1 / 38.5, 1,024 rows 493 / 529; float32 1 row 12.5 / 19.2,
+      8 rows 13.3 / 20.4, 64 rows 64 / 74, 1,024 rows 993 / 1,158: every row count. With AMX, oneDNN's
+      tiles multiply several times faster than AVX-512 once the weight read stops dominating: the
+      lanes kernel keeps 1-64 rows there (where a decode step is the weight read).
+    - AVX2 only, float32, the row kernel (2-core AMD EPYC): 1 row 20-23 ms vs oneDNN's 21-26, 4 rows
+      18-19 vs 25-27, 8 rows 22-26 vs 30-33, 16 rows a tie (39-41 vs 40-46): rows 1-8.
+    """
+    if has_lanes(dtype):
+        return 64 if cpu_has_amx() else EVERY_ROW
+    native = native_kernels()
+    if dtype == torch.float32 and native is not None and not cpu_has_avx512():
+        return 8
+    return 0
+
+
+def lanes_linear(x: torch.Tensor, weight: CpuLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ the lanes weight^T (+ bias) -> [M, N], operands checked (the bound ops skip this)."""
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != weight.small.dtype:
+        raise ValueError(f"lanes linear: x must be [M, {k}] {weight.small.dtype}, got {tuple(x.shape)} {x.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"lanes linear: bias must be {x.dtype} of shape ({n},), got {tuple(bias.shape)} {bias.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    b = None if bias is None else bias.contiguous()
+    out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
+    native_kernels().lanes_for(x.dtype)(x.data_ptr(), weight.small.data_ptr(), None if b is None else b.data_ptr(),
+                                        out.data_ptr(), x.shape[0], n, k, x.stride(0), n, torch.get_num_threads())
+    return out
 
 
 def rows_covered(native: NativeKernels, dtype: torch.dtype) -> range:

@@ -39,7 +39,7 @@ DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"{op}.c" for op in ("paged_attention_decode", "paged_attention_prefill", "store_kv", "linear",
-                                             "add_rms_norm", "silu_mul", "rope", "int4_linear", "top_p"))
+                                             "add_rms_norm", "silu_mul", "rope", "int4_linear", "top_p", "lanes_linear"))
 HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h", CSRC / "flash_item.h")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
@@ -57,7 +57,7 @@ DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 +
 PREFILL_ARGTYPES = [_P] * 8 + [_I64] * 8 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
 # x, packed weight, scales, out; M, N, K, group, x row stride, out row stride; bf16; nthreads -> 1 on no memory
 INT4_LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 6 + [_INT, _INT]
-# x, weight, bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
+# x, weight (or its lanes layout), bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
 LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
 # key, value, k_cache, v_cache, slots (int64); T, row bytes, key/value token strides, cache slot
 # strides (bytes), number of slots -> 1 on a slot outside the pool
@@ -93,6 +93,8 @@ class NativeKernels:
     prefill_head_dim_multiple: int
     path: Path
     top_k_top_p: ctypes._CFuncPtr  # sampling's top-k / top-p filter (csrc/top_p.c)
+    lanes_f32: ctypes._CFuncPtr | None  # linear on the lanes layout (csrc/lanes_linear.c); None without AVX-512
+    lanes_bf16: ctypes._CFuncPtr | None  # ... and without AVX512-BF16
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
     # stack alike. Callers check the dtype with has_dtype first.
@@ -108,6 +110,9 @@ class NativeKernels:
 
     def linear_for(self, dtype) -> ctypes._CFuncPtr | None:
         return self.linear_f32 if DTYPE_SUFFIX[dtype] == "f32" else self.linear_bf16
+
+    def lanes_for(self, dtype) -> ctypes._CFuncPtr | None:
+        return self.lanes_f32 if DTYPE_SUFFIX[dtype] == "f32" else self.lanes_bf16
 
     def elementwise_for(self, op: str, dtype) -> ctypes._CFuncPtr:
         return self.elementwise[f"{op}_{DTYPE_SUFFIX[dtype]}"]
@@ -209,9 +214,14 @@ def _load(path: Path) -> NativeKernels:
     lib.ps_int4_linear_available.restype = ctypes.c_int64
     int4_linear = lib.ps_int4_linear if lib.ps_int4_linear_available() else None
     lib.ps_top_k_top_p.argtypes, lib.ps_top_k_top_p.restype = TOP_P_ARGTYPES, ctypes.c_int64
+    lanes = []
+    for dtype in ("f32", "bf16"):
+        fn, available = getattr(lib, f"ps_lanes_linear_{dtype}"), getattr(lib, f"ps_lanes_{dtype}_available")
+        fn.argtypes, fn.restype, available.restype = LINEAR_ARGTYPES, None, ctypes.c_int64
+        lanes.append(fn if available() else None)
     return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, int4_linear, elementwise,
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
-                         lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p)
+                         lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes)
 
 
 @functools.cache

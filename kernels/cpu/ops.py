@@ -15,13 +15,13 @@ arithmetic per layer, so Python's share shows. Measured on SmolLM2 float32 (AVX-
 4-row decode forward took 30.3 ms through modules and checking launchers and 24.1 ms through
 direct kernel calls, most of the rest being the weight read.
 
-Linear policy (one place): weights packed for oneDNN at bind run through it, except for the few
-rows where the C kernel (one sequential read of the plain weight) is faster: 1-2 rows in float32
-and 1-5 in bfloat16 with AVX-512, 1-8 float32 rows with AVX2 only (linear.SmallRowsWeight,
-linear.rows_over_packed). Unpacked weights take the C kernel for 1-16 rows in float32 (1-8 in
-bfloat16 where the CPU has AVX512-BF16; see kernels/cpu/linear.py), oneDNN for the other float32
-row counts (MKL's sgemm takes an AVX2 path on AMD CPUs; kernels/cpu/onednn_linear.py), F.linear
-otherwise. Without a C
+Linear policy (one place; linear.c_kernel_rows): with AVX-512 the weights are packed at bind into
+the lanes layout of csrc/lanes_linear.c, which takes every row count (CPUs with AMX: 1-64 rows,
+oneDNN's packed copy above); with AVX2 only, oneDNN's packed copy, and the row kernel
+(csrc/linear.c) on the plain weight for 1-8 float32 rows (linear.CpuLinearWeight). Unpacked weights
+take the row kernel for 1-16 rows in float32 (1-8 in bfloat16 where the CPU has AVX512-BF16), oneDNN
+for the other float32 row counts (MKL's sgemm takes an AVX2 path on AMD CPUs;
+kernels/cpu/onednn_linear.py), F.linear otherwise. Without a C
 compiler and without oneDNN, W @ x^T for 2-10 float32 rows, which measured faster than F.linear
 on the machine it was tuned on.
 """
@@ -37,7 +37,8 @@ from . import onednn_linear
 from .native import NativeKernels, native_kernels
 from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
-from .linear import SmallRowsWeight, covers, linear_covered, rows_covered, rows_over_packed
+from .linear import (EVERY_ROW, CpuLinearWeight, c_kernel_rows, covers, has_lanes, lanes_linear, linear_covered,
+                     pack_lanes, rows_covered)
 from ..interface import KernelOps
 from .paged_attention import call_decode, paged_attention_decode_cpu, paged_attention_prefill_cpu
 from .scratch import Scratch
@@ -68,18 +69,22 @@ def checked_cpu_ops() -> KernelOps:
 
 
 def pack_weight(weight):
-    """oneDNN's packed copy of a float32 / bfloat16 weight (onednn_linear.pack_weight), kept beside the
-    plain one where the C kernel takes some row counts (linear.rows_over_packed); anything else as is."""
-    packed = onednn_linear.pack_weight(weight)
-    if packed is not weight and rows_over_packed(weight.dtype):
-        return SmallRowsWeight(weight.detach().contiguous(), packed)
-    return packed
+    """A float32 / bfloat16 weight in the forms the bound linear reads on this CPU (linear.CpuLinearWeight,
+    linear.c_kernel_rows): the lanes layout for every row count (AVX-512 without AMX), or beside
+    oneDNN's packed copy for a few rows; oneDNN's packed copy alone elsewhere; anything else as is."""
+    rows = c_kernel_rows(weight.dtype) if (weight.dim() == 2 and weight.device.type == "cpu") else 0
+    if rows == 0:
+        return onednn_linear.pack_weight(weight)
+    lanes = has_lanes(weight.dtype)
+    small = pack_lanes(weight) if lanes else weight.detach().contiguous()
+    packed = None if rows == EVERY_ROW else onednn_linear.pack_weight(weight)
+    return CpuLinearWeight(small, packed, tuple(weight.shape), lanes, rows)
 
 
 def _checked_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if type(weight) is SmallRowsWeight:
-        if x.dim() == 2 and x.shape[0] in rows_over_packed(weight.plain.dtype):
-            return linear_covered(x, weight.plain, bias)
+    if type(weight) is CpuLinearWeight:
+        if x.dim() == 2 and x.shape[0] <= weight.small_rows:
+            return lanes_linear(x, weight, bias) if weight.lanes else linear_covered(x, weight.small, bias)
         weight = weight.packed
     if weight.is_mkldnn:  # packed at bind (onednn_linear.pack_weight)
         return onednn_linear.checked_packed_linear(x, weight, bias)
@@ -108,8 +113,8 @@ class _BoundCpuOps:
     def __init__(self, native: NativeKernels, dtype: torch.dtype) -> None:
         self.native, self.dtype = native, dtype
         self.c_linear = native.linear_for(dtype)
+        self.lanes_linear = native.lanes_for(dtype)
         self.linear_rows = rows_covered(native, dtype)
-        self.rows_over_packed = rows_over_packed(dtype)
         use_onednn = dtype == torch.float32 and onednn_linear.onednn_linear_available()
         self.other_linear = _onednn if use_onednn else F.linear
         self.norm_fn = native.elementwise_for("add_rms_norm", dtype)
@@ -126,11 +131,16 @@ class _BoundCpuOps:
     # x: [M, K] rows contiguous; weight [N, K] and bias [N] contiguous, all in the bound dtype.
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
-        if type(weight) is SmallRowsWeight:  # the C kernel for a few rows, packed oneDNN otherwise
-            if m not in self.rows_over_packed:
-                return onednn_linear.packed_linear(x, weight.packed, bias)
-            weight = weight.plain
-        elif weight.is_mkldnn:  # packed at bind: oneDNN for every row count (onednn_linear.py)
+        if type(weight) is CpuLinearWeight:  # a C kernel up to small_rows rows, its other form beyond
+            if m <= weight.small_rows:
+                n, k = weight.shape
+                out = torch.empty((m, n), dtype=self.dtype)  # [M, N]
+                kernel = self.lanes_linear if weight.lanes else self.c_linear
+                kernel(x.data_ptr(), weight.small.data_ptr(), None if bias is None else bias.data_ptr(),
+                       out.data_ptr(), m, n, k, x.stride(0), n, torch.get_num_threads())
+                return out
+            weight = weight.packed
+        if weight.is_mkldnn:  # packed at bind: oneDNN (onednn_linear.py)
             return onednn_linear.packed_linear(x, weight, bias)
         elif m not in self.linear_rows:
             return self.other_linear(x, weight, bias)

@@ -1,5 +1,6 @@
-"""The CPU linear policy for packed weights: where the C kernel beats oneDNN's packed copy at a few rows,
-the weight is kept in both forms and each row count goes to its faster path."""
+"""The CPU linear policy for weights packed at bind (linear.c_kernel_rows): the lanes layout for every
+row count on AVX-512, beside oneDNN's packed copy where a C kernel only takes a few rows; each row
+count goes to its path and every path gives F.linear's result."""
 from __future__ import annotations
 
 import pytest
@@ -7,31 +8,34 @@ import torch
 import torch.nn.functional as F
 
 import kernels.cpu.ops as ops_mod
-from kernels.cpu.linear import SmallRowsWeight
+from kernels.cpu.linear import EVERY_ROW, CpuLinearWeight, c_kernel_rows, has_lanes, pack_lanes
 from kernels.cpu.native import native_kernels
 from kernels.cpu.onednn_linear import onednn_linear_available, packed_linear
 
 pytestmark = pytest.mark.skipif(native_kernels() is None or not onednn_linear_available(),
                                 reason="needs the C kernels and oneDNN")
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 @pytest.mark.parametrize("checked", [False, True])
-def test_few_rows_take_the_c_kernel_and_the_rest_the_packed_copy(monkeypatch, checked):
-    monkeypatch.setattr(ops_mod, "rows_over_packed", lambda dtype: range(1, 9) if dtype == torch.float32 else range(0))
+def test_few_rows_take_the_row_kernel_and_the_rest_the_packed_copy(monkeypatch, checked):
+    """As on an AVX2-only CPU: the plain weight for 1-8 float32 rows, oneDNN's copy beyond."""
+    monkeypatch.setattr(ops_mod, "c_kernel_rows", lambda dtype: 8 if dtype == torch.float32 else 0)
+    monkeypatch.setattr(ops_mod, "has_lanes", lambda dtype: False)
     ops = ops_mod.cpu_ops(torch.float32, checked=checked)
     torch.manual_seed(0)
     w, b = torch.randn(200, 96), torch.randn(200)
     packed = ops.pack_weight(w)
-    assert type(packed) is SmallRowsWeight and packed.packed.is_mkldnn
-    assert packed.plain.data_ptr() == w.data_ptr()  # the module's own weight, not a copy
-    assert type(ops.pack_weight(w.bfloat16())) is not SmallRowsWeight  # none for bfloat16 here
+    assert type(packed) is CpuLinearWeight and packed.packed.is_mkldnn and not packed.lanes
+    assert packed.small.data_ptr() == w.data_ptr()  # the module's own weight, not a copy
+    assert type(ops.pack_weight(w.bfloat16())) is not CpuLinearWeight  # none for bfloat16 here
     c_calls, real = [], ops_mod.linear_covered
     if checked:  # the bound ops call the C entry point directly: only the checking path can be counted
         monkeypatch.setattr(ops_mod, "linear_covered", lambda *a: c_calls.append(a[0].shape[0]) or real(*a))
     for rows in (1, 3, 4, 5, 8, 9, 64):
         x = torch.randn(rows, 96)
         out = ops.linear(x, packed, b)
-        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(out, F.linear(x, w, b), **TOL[torch.float32])
         if rows > 8:  # the packed copy, bit for bit
             assert torch.equal(out, packed_linear(x, packed.packed, b))
     if checked:
@@ -39,37 +43,71 @@ def test_few_rows_take_the_c_kernel_and_the_rest_the_packed_copy(monkeypatch, ch
 
 
 def test_no_second_form_where_packed_wins_everywhere(monkeypatch):
-    monkeypatch.setattr(ops_mod, "rows_over_packed", lambda dtype: range(0))
+    monkeypatch.setattr(ops_mod, "c_kernel_rows", lambda dtype: 0)
     w = torch.randn(64, 32)
     assert ops_mod.cpu_ops(torch.float32).pack_weight(w).is_mkldnn
 
 
-def test_the_machines_policy_is_a_few_rows_or_none():
-    """On this CPU: every row count the policy gives the C kernel is one the kernel covers, and the
-    bound ops keep both forms exactly where the policy names some rows."""
-    from kernels.cpu.linear import rows_covered, rows_over_packed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("checked", [False, True])
+def test_lanes_for_every_row_count_or_below_oneDNN(monkeypatch, dtype, amx, checked):
+    """AVX-512: the lanes layout alone (every row count), or with AMX up to 64 rows and oneDNN's copy
+    beyond; odd N and K (padding), bias, and the second 8-row pass of the kernel."""
+    if not has_lanes(dtype):
+        pytest.skip(f"no lanes kernel for {dtype} on this CPU")
+    import kernels.cpu.linear as linear_mod
 
-    native = native_kernels()
-    for dtype in (torch.float32, torch.bfloat16):
-        rows = rows_over_packed(dtype)
-        assert set(rows) <= set(rows_covered(native, dtype))
-        w = torch.randn(64, 32, dtype=dtype)
-        if dtype == torch.bfloat16 and not ops_mod.onednn_linear.onednn_bf16_supported():
-            continue
-        assert (type(ops_mod.cpu_ops(dtype).pack_weight(w)) is SmallRowsWeight) == bool(rows)
+    monkeypatch.setattr(linear_mod, "cpu_has_amx", lambda: amx)
+    assert c_kernel_rows(dtype) == (64 if amx else EVERY_ROW)
+    ops = ops_mod.cpu_ops(dtype, checked=checked)
+    torch.manual_seed(3)
+    w, b = torch.randn(77, 45, dtype=dtype), torch.randn(77, dtype=dtype)
+    packed = ops.pack_weight(w)
+    assert type(packed) is CpuLinearWeight and packed.lanes and packed.shape == (77, 45)
+    assert (packed.packed is None) == (not amx)
+    for rows in (1, 2, 7, 8, 9, 16, 17, 64, 65, 130):
+        x = torch.randn(rows, 45, dtype=dtype)
+        for bias in (None, b):
+            out = ops.linear(x, packed, bias)
+            assert out.shape == (rows, 77) and out.dtype == dtype
+            torch.testing.assert_close(out, F.linear(x, w, bias), **TOL[dtype])
+            if amx and rows > 64:
+                assert torch.equal(out, packed_linear(x, packed.packed, bias))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bound_ops_agree_with_f_linear_at_every_row_count(dtype):
-    from kernels.cpu.linear import rows_over_packed
+def test_lanes_layout_holds_the_weight_in_blocks_of_32_columns(dtype):
+    w = (torch.arange(70 * 5) % 200).float().view(70, 5).to(dtype)  # integers below 256: exact in both dtypes
+    lanes = pack_lanes(w)
+    if dtype == torch.float32:
+        assert lanes.shape == (3, 5, 32)  # [ceil(70/32), K, 32]
+        assert lanes[1, 4, 3] == w[32 + 3, 4] and bool((lanes[2, :, 6:] == 0).all())  # columns 70-95: zeros
+    else:
+        assert lanes.shape == (3, 3, 32, 2)  # [ceil(70/32), ceil(5/2), 32, 2]
+        assert lanes[1, 1, 3, 1] == w[32 + 3, 3] and lanes[0, 2, 0, 0] == w[0, 4]
+        assert bool((lanes[:, 2, :, 1] == 0).all())  # the odd K's missing pair half
 
-    if dtype == torch.bfloat16 and not ops_mod.onednn_linear.onednn_bf16_supported():
-        pytest.skip("no bfloat16 oneDNN here")
-    ops = ops_mod.cpu_ops(dtype)
-    torch.manual_seed(1)
-    w, b = torch.randn(300, 160, dtype=dtype), torch.randn(300, dtype=dtype)
-    packed = ops.pack_weight(w)
-    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for rows in (*rows_over_packed(dtype), 6, 9, 17):
-        x = torch.randn(rows, 160, dtype=dtype)
-        torch.testing.assert_close(ops.linear(x, packed, b), F.linear(x, w, b), **tol)
+
+def test_the_lanes_kernel_rejects_bad_operands():
+    if not has_lanes(torch.float32):
+        pytest.skip("no lanes kernel here")
+    from kernels.cpu.linear import lanes_linear
+
+    w = ops_mod.pack_weight(torch.randn(40, 16))
+    if type(w) is not CpuLinearWeight:
+        pytest.skip("the lanes form is not this CPU's policy")
+    with pytest.raises(ValueError, match="x must be"):
+        lanes_linear(torch.randn(3, 17), w)
+    with pytest.raises(ValueError, match="bias must be"):
+        lanes_linear(torch.randn(3, 16), w, torch.randn(39))
+
+
+def test_the_machines_policy_names_a_kernel_that_exists():
+    from kernels.cpu.linear import rows_covered
+
+    native = native_kernels()
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = c_kernel_rows(dtype)
+        if rows and not has_lanes(dtype):
+            assert rows <= max(rows_covered(native, dtype))  # the row kernel on the plain weight
