@@ -77,11 +77,14 @@ def profile(model: str, dtype: str, job: dict) -> dict:
     runner.execute = timed_execute
 
     llm.generate({"prompt_token_ids": list(range(100, 116))}, SamplingParams(max_tokens=4), use_tqdm=False)
+    prompts, params = job["prompt_sets"][0], SamplingParams(**job["params"]) if job["kind"] == "generate" else None
+    if job["kind"] == "ttft":  # the first prompt caches the shared prefix; the second is timed, one token
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        prompts, params = prompts[1:], SamplingParams(temperature=0, max_tokens=1)
     tally.seconds.clear()
     tally.calls.clear()
     t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in job["prompt_sets"][0]], SamplingParams(**job["params"]),
-                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     s = dict(tally.seconds)
     runner_total = s.pop("runner_prefill_steps", 0.0) + s.pop("runner_decode_steps", 0.0)
@@ -97,7 +100,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--workload", default="gsp", help="any generate job of benchmarks/_peer_jobs.py")
+    ap.add_argument("--workload", default="gsp",
+                    help="a generate job of benchmarks/_peer_jobs.py, or cached_ttft (the second, cached prompt)")
     ap.add_argument("--name", default=None, help="default: profile_<workload>")
     args = ap.parse_args()
     from transformers import AutoConfig
