@@ -78,6 +78,10 @@ def profile(model: str, dtype: str, job: dict) -> dict:
 
     llm.generate({"prompt_token_ids": list(range(100, 116))}, SamplingParams(max_tokens=4), use_tqdm=False)
     prompts, params = job["prompt_sets"][0], SamplingParams(**job["params"]) if job["kind"] == "generate" else None
+    if job["kind"] == "beam":
+        p = job["params"]
+        params = SamplingParams(n=p["beam_width"], use_beam_search=True, temperature=0, max_tokens=p["max_tokens"],
+                                ignore_eos=p["ignore_eos"])
     if job["kind"] == "ttft":  # the first prompt caches the shared prefix; the second is timed, one token
         llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         prompts, params = prompts[1:], SamplingParams(temperature=0, max_tokens=1)
@@ -101,7 +105,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--workload", default="gsp",
-                    help="a generate job of benchmarks/_peer_jobs.py, or cached_ttft (the second, cached prompt)")
+                    help="a job of benchmarks/_peer_jobs.py (cached_ttft: the second, cached prompt)")
     ap.add_argument("--name", default=None, help="default: profile_<workload>")
     args = ap.parse_args()
     from transformers import AutoConfig
