@@ -93,17 +93,25 @@ def c_kernel_rows(dtype: torch.dtype) -> int:
 
 def lanes_linear(x: torch.Tensor, weight: CpuLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ the lanes weight^T (+ bias) -> [M, N], operands checked (the bound ops skip this)."""
-    n, k = weight.shape
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != weight.small.dtype:
-        raise ValueError(f"lanes linear: x must be [M, {k}] {weight.small.dtype}, got {tuple(x.shape)} {x.dtype}")
+    if x.dtype != weight.small.dtype:
+        raise ValueError(f"lanes linear: x must be {weight.small.dtype}, got {x.dtype}")
+    return _call_checked(native_kernels().lanes_for(x.dtype), "lanes linear", x, weight.small, weight.shape, bias)
+
+
+def _call_checked(kernel, name: str, x: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int],
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """Checks x [M, K] and bias [N] against the weight's (N, K) = shape, then runs the C entry point."""
+    n, k = shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{name}: x must be [M, {k}], got {tuple(x.shape)}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
-        raise ValueError(f"lanes linear: bias must be {x.dtype} of shape ({n},), got {tuple(bias.shape)} {bias.dtype}")
+        raise ValueError(f"{name}: bias must be {x.dtype} of shape ({n},), got {tuple(bias.shape)} {bias.dtype}")
     if x.stride(1) != 1:
         x = x.contiguous()
     b = None if bias is None else bias.contiguous()
     out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
-    native_kernels().lanes_for(x.dtype)(x.data_ptr(), weight.small.data_ptr(), None if b is None else b.data_ptr(),
-                                        out.data_ptr(), x.shape[0], n, k, x.stride(0), n, torch.get_num_threads())
+    kernel(x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(), x.shape[0], n, k,
+           x.stride(0), n, torch.get_num_threads())
     return out
 
 
@@ -130,18 +138,4 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def linear_covered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`linear_cpu` for operands the caller has already checked with :func:`covers` (the
     model's Linear does, once per call, on the decode hot path)."""
-    m, k = x.shape
-    n, kw = weight.shape
-    if kw != k:
-        raise ValueError(f"linear_cpu: x has {k} features but weight expects {kw}")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
-        raise ValueError(f"linear_cpu: bias must be {x.dtype} of shape ({n},), got {tuple(bias.shape)} {bias.dtype}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    b = None if bias is None else bias.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype)
-    native_kernels().linear_for(x.dtype)(
-        x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-        m, n, k, x.stride(0), out.stride(0), torch.get_num_threads(),
-    )
-    return out
+    return _call_checked(native_kernels().linear_for(x.dtype), "linear_cpu", x, weight, tuple(weight.shape), bias)

@@ -24,6 +24,26 @@
 #define PS_LANES 32
 #define PS_LANES_MB 8
 
+/* An entry point: x [M, K] (row stride ldx), the lanes layout, bias [N] or NULL, out [M, N] (row
+ * stride ldo); blocks of 32 columns over the threads, inputs in chunks of 8 (KSTORED: the k rows a block
+ * holds; CALL(MB): the block function on this chunk). */
+#define PS_DEFINE_LANES(NAME, T, KSTORED, CALL)                                                          \
+    void NAME(const T *x, const T *lanes, const T *bias, T *out, int64_t M, int64_t N, int64_t K, int64_t ldx, \
+              int64_t ldo, int nthreads) {                                                               \
+        const int64_t nblocks = (N + PS_LANES - 1) / PS_LANES;                                           \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                               \
+        for (int64_t b = 0; b < nblocks; ++b) {                                                          \
+            const T *wb = lanes + b * (KSTORED) * PS_LANES;                                              \
+            const int64_t n0 = b * PS_LANES, ncols = N - n0 < PS_LANES ? N - n0 : PS_LANES;               \
+            const T *bb = bias ? bias + n0 : NULL;                                                       \
+            for (int64_t m0 = 0; m0 < M; m0 += PS_LANES_MB) {                                            \
+                const T *xm = x + m0 * ldx;                                                              \
+                T *om = out + m0 * ldo + n0;                                                             \
+                PS_CONST_ROWS_8(M - m0, CALL) /* constant MB: accumulators in registers */               \
+            }                                                                                            \
+        }                                                                                                \
+    }
+
 #if defined(PS_AVX512)
 static inline __attribute__((always_inline)) void ps_lanes_block_f32(const float *restrict x, const int64_t ldx,
                                                                      const float *restrict wb, const int64_t K,
@@ -50,31 +70,8 @@ static inline __attribute__((always_inline)) void ps_lanes_block_f32(const float
     }
 }
 
-/* x [M, K] (row stride ldx), lanes as above, bias [N] or NULL, out [M, N] (row stride ldo). */
-void ps_lanes_linear_f32(const float *x, const float *lanes, const float *bias, float *out, int64_t M, int64_t N,
-                         int64_t K, int64_t ldx, int64_t ldo, int nthreads) {
-    const int64_t nblocks = (N + PS_LANES - 1) / PS_LANES;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblocks; ++b) {
-        const float *wb = lanes + b * K * PS_LANES;
-        const int64_t n0 = b * PS_LANES, ncols = N - n0 < PS_LANES ? N - n0 : PS_LANES;
-        const float *bb = bias ? bias + n0 : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += PS_LANES_MB) {
-            const float *xm = x + m0 * ldx;
-            float *om = out + m0 * ldo + n0;
-            switch (M - m0 < PS_LANES_MB ? M - m0 : PS_LANES_MB) { /* constant MB: accumulators in registers */
-            case 1: ps_lanes_block_f32(xm, ldx, wb, K, bb, om, ldo, ncols, 1); break;
-            case 2: ps_lanes_block_f32(xm, ldx, wb, K, bb, om, ldo, ncols, 2); break;
-            case 3: ps_lanes_block_f32(xm, ldx, wb, K, bb, om, ldo, ncols, 3); break;
-            case 4: ps_lanes_block_f32(xm, ldx, wb, K, bb, om, ldo, ncols, 4); break;
-            case 5: ps_lanes_block_f32(xm, ldx, wb, K, bb, om, ldo, ncols, 5); break;
-            case 6: ps_lanes_block_f32(xm, ldx, wb, K, bb, om, ldo, ncols, 6); break;
-            case 7: ps_lanes_block_f32(xm, ldx, wb, K, bb, om, ldo, ncols, 7); break;
-            default: ps_lanes_block_f32(xm, ldx, wb, K, bb, om, ldo, ncols, 8); break;
-            }
-        }
-    }
-}
+#define PS_LANES_CALL_F32(MB) ps_lanes_block_f32(xm, ldx, wb, K, bb, om, ldo, ncols, MB)
+PS_DEFINE_LANES(ps_lanes_linear_f32, float, K, PS_LANES_CALL_F32)
 
 int64_t ps_lanes_f32_available(void) { return 1; }
 #else
@@ -127,30 +124,8 @@ static inline __attribute__((always_inline)) void ps_lanes_block_bf16(const uint
     }
 }
 
-void ps_lanes_linear_bf16(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out, int64_t M,
-                          int64_t N, int64_t K, int64_t ldx, int64_t ldo, int nthreads) {
-    const int64_t nblocks = (N + PS_LANES - 1) / PS_LANES, kpad = K + (K % 2);
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblocks; ++b) {
-        const uint16_t *wb = lanes + b * kpad * PS_LANES;
-        const int64_t n0 = b * PS_LANES, ncols = N - n0 < PS_LANES ? N - n0 : PS_LANES;
-        const uint16_t *bb = bias ? bias + n0 : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += PS_LANES_MB) {
-            const uint16_t *xm = x + m0 * ldx;
-            uint16_t *om = out + m0 * ldo + n0;
-            switch (M - m0 < PS_LANES_MB ? M - m0 : PS_LANES_MB) {
-            case 1: ps_lanes_block_bf16(xm, ldx, wb, K, bb, om, ldo, ncols, 1); break;
-            case 2: ps_lanes_block_bf16(xm, ldx, wb, K, bb, om, ldo, ncols, 2); break;
-            case 3: ps_lanes_block_bf16(xm, ldx, wb, K, bb, om, ldo, ncols, 3); break;
-            case 4: ps_lanes_block_bf16(xm, ldx, wb, K, bb, om, ldo, ncols, 4); break;
-            case 5: ps_lanes_block_bf16(xm, ldx, wb, K, bb, om, ldo, ncols, 5); break;
-            case 6: ps_lanes_block_bf16(xm, ldx, wb, K, bb, om, ldo, ncols, 6); break;
-            case 7: ps_lanes_block_bf16(xm, ldx, wb, K, bb, om, ldo, ncols, 7); break;
-            default: ps_lanes_block_bf16(xm, ldx, wb, K, bb, om, ldo, ncols, 8); break;
-            }
-        }
-    }
-}
+#define PS_LANES_CALL_BF16(MB) ps_lanes_block_bf16(xm, ldx, wb, K, bb, om, ldo, ncols, MB)
+PS_DEFINE_LANES(ps_lanes_linear_bf16, uint16_t, K + (K % 2), PS_LANES_CALL_BF16)
 
 int64_t ps_lanes_bf16_available(void) { return 1; }
 #else

@@ -142,16 +142,9 @@ void ps_linear_f32(const float *x, const float *w, const float *bias, float *out
         for (int64_t m0 = 0; m0 < M; m0 += PS_LIN_MB) {
             const float *xm = x + m0 * ldx;
             float *om = out + m0 * ldo;
-            switch (M - m0 < PS_LIN_MB ? M - m0 : PS_LIN_MB) { /* constant MB: accumulators in registers */
-            case 1: ps_lin_cols(xm, ldx, w, K, om, ldo, n0, n1, 1); break;
-            case 2: ps_lin_cols(xm, ldx, w, K, om, ldo, n0, n1, 2); break;
-            case 3: ps_lin_cols(xm, ldx, w, K, om, ldo, n0, n1, 3); break;
-            case 4: ps_lin_cols(xm, ldx, w, K, om, ldo, n0, n1, 4); break;
-            case 5: ps_lin_cols(xm, ldx, w, K, om, ldo, n0, n1, 5); break;
-            case 6: ps_lin_cols(xm, ldx, w, K, om, ldo, n0, n1, 6); break;
-            case 7: ps_lin_cols(xm, ldx, w, K, om, ldo, n0, n1, 7); break;
-            default: ps_lin_cols(xm, ldx, w, K, om, ldo, n0, n1, 8); break;
-            }
+#define PS_LIN_CALL(MB) ps_lin_cols(xm, ldx, w, K, om, ldo, n0, n1, MB)
+            PS_CONST_ROWS_8(M - m0, PS_LIN_CALL)
+#undef PS_LIN_CALL
         }
         if (bias)
             for (int64_t m = 0; m < M; ++m)
@@ -209,16 +202,9 @@ void ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         for (int64_t m0 = 0; m0 < M; m0 += PS_LIN_MB) {
             const uint16_t *xm = x + m0 * ldx;
             const int mb = M - m0 < PS_LIN_MB ? (int)(M - m0) : PS_LIN_MB;
-            switch (mb) { /* constant MB: accumulators in registers */
-            case 1: ps_lin_cols_bf16(xm, ldx, w, K, acc, n0, n1, 1); break;
-            case 2: ps_lin_cols_bf16(xm, ldx, w, K, acc, n0, n1, 2); break;
-            case 3: ps_lin_cols_bf16(xm, ldx, w, K, acc, n0, n1, 3); break;
-            case 4: ps_lin_cols_bf16(xm, ldx, w, K, acc, n0, n1, 4); break;
-            case 5: ps_lin_cols_bf16(xm, ldx, w, K, acc, n0, n1, 5); break;
-            case 6: ps_lin_cols_bf16(xm, ldx, w, K, acc, n0, n1, 6); break;
-            case 7: ps_lin_cols_bf16(xm, ldx, w, K, acc, n0, n1, 7); break;
-            default: ps_lin_cols_bf16(xm, ldx, w, K, acc, n0, n1, 8); break;
-            }
+#define PS_LIN_CALL(MB) ps_lin_cols_bf16(xm, ldx, w, K, acc, n0, n1, MB)
+            PS_CONST_ROWS_8(mb, PS_LIN_CALL)
+#undef PS_LIN_CALL
             for (int m = 0; m < mb; ++m)
                 for (int64_t n = n0; n < n1; ++n) {
                     float v = acc[m * W + (n - n0)];

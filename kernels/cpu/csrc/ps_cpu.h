@@ -25,6 +25,20 @@ static inline float ps_exp(float x) {
     return p * scale.f;
 }
 
+/* CALL(MB) with MB a compile-time constant 1..8 equal to min(n, 8): the small-batch linears' row loops
+ * then unroll with their accumulators in registers. */
+#define PS_CONST_ROWS_8(n, CALL)                                                                        \
+    switch ((n) < 8 ? (n) : 8) {                                                                       \
+    case 1: CALL(1); break;                                                                            \
+    case 2: CALL(2); break;                                                                            \
+    case 3: CALL(3); break;                                                                            \
+    case 4: CALL(4); break;                                                                            \
+    case 5: CALL(5); break;                                                                            \
+    case 6: CALL(6); break;                                                                            \
+    case 7: CALL(7); break;                                                                            \
+    default: CALL(8); break;                                                                           \
+    }
+
 static inline void ps_load_f32(const float *restrict src, float *restrict dst, int64_t d) {
     for (int64_t i = 0; i < d; ++i) dst[i] = src[i];
 }
