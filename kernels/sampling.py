@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .cpu.native import native_kernels
+
 
 def top_k_top_p_probs_torch(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
@@ -29,8 +31,6 @@ def top_k_top_p_probs_torch(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Te
 
 def top_k_top_p_probs(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     s, vocab = _check(logits, ks, ps)
-    from .cpu.native import native_kernels
-
     native = native_kernels()
     if native is None or s == 0:
         return top_k_top_p_probs_torch(logits, ks, ps)

@@ -75,11 +75,11 @@ def c_kernel_rows(dtype: torch.dtype) -> int:
     CPU: 0 for none, EVERY_ROW for every row count.
 
     Measured on SmolLM2's 30 layers of linears, weights streamed from memory (benchmarks/packed_linear.py):
-    - AVX-512 (the lanes kernel), 2-core AMD EPYC Zen 4, lanes / packed oneDNN: bfloat16 1 row 6.6 /
-      10.9 ms, 8 rows 6.7 / 11.3, 64 rows 32.1 / 38.5, 1,024 rows 493 / 529; float32 1 row 12.5 / 19.2,
-      8 rows 13.3 / 20.4, 64 rows 64 / 74, 1,024 rows 993 / 1,158: every row count. With AMX, oneDNN's
-      tiles multiply several times faster than AVX-512 once the weight read stops dominating: the
-      lanes kernel keeps 1-64 rows there (where a decode step is the weight read).
+    - AVX-512 (the lanes kernel), 2-core AMD EPYC Zen 4, lanes / packed oneDNN (results/packed_linear_zen4.json):
+      bfloat16 1 row 6.0 / 10.6 ms, 8 rows 6.8 / 12.2, 64 rows 34.9 / 44.2, 1,088 rows 532 / 564; float32
+      1 row 13.7 / 20.1, 8 rows 11.4 / 18.8, 64 rows 66 / 79, 1,088 rows 1,113 / 1,094 (a tie): every row
+      count. With AMX, oneDNN's tiles multiply several times faster than AVX-512 once the weight read
+      stops dominating: the lanes kernel keeps 1-64 rows there (where a decode step is the weight read).
     - AVX2 only, float32, the row kernel (2-core AMD EPYC): 1 row 20-23 ms vs oneDNN's 21-26, 4 rows
       18-19 vs 25-27, 8 rows 22-26 vs 30-33, 16 rows a tie (39-41 vs 40-46): rows 1-8.
     """

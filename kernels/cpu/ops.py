@@ -133,21 +133,22 @@ class _BoundCpuOps:
         m = x.shape[0]
         if type(weight) is CpuLinearWeight:  # a C kernel up to small_rows rows, its other form beyond
             if m <= weight.small_rows:
-                n, k = weight.shape
-                out = torch.empty((m, n), dtype=self.dtype)  # [M, N]
                 kernel = self.lanes_linear if weight.lanes else self.c_linear
-                kernel(x.data_ptr(), weight.small.data_ptr(), None if bias is None else bias.data_ptr(),
-                       out.data_ptr(), m, n, k, x.stride(0), n, torch.get_num_threads())
-                return out
+                return self._c_linear_call(kernel, x, weight.small, weight.shape, bias)
             weight = weight.packed
         if weight.is_mkldnn:  # packed at bind: oneDNN (onednn_linear.py)
             return onednn_linear.packed_linear(x, weight, bias)
         elif m not in self.linear_rows:
             return self.other_linear(x, weight, bias)
-        n, k = weight.shape
+        return self._c_linear_call(self.c_linear, x, weight, weight.shape, bias)
+
+    def _c_linear_call(self, kernel, x: torch.Tensor, weight: torch.Tensor, shape, bias: torch.Tensor | None
+                       ) -> torch.Tensor:
+        """x [M, K] through a C linear entry on `weight` (plain [N, K] or its lanes layout; shape = (N, K))."""
+        m, (n, k) = x.shape[0], shape
         out = torch.empty((m, n), dtype=self.dtype)  # [M, N]
-        self.c_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                      m, n, k, x.stride(0), n, torch.get_num_threads())
+        kernel(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+               m, n, k, x.stride(0), n, torch.get_num_threads())
         return out
 
     # x, residual: [T, H] contiguous. Writes the new residual into `residual` (layer 0: it is x).

@@ -14,9 +14,10 @@
  *
  * (N padded to a multiple of 32 and, in bfloat16, K to even, with zeros.) Each block of 32 columns is
  * one sequential stream of K x 128 bytes; its 2 x MB accumulators stay in registers, no reductions,
- * and inputs of more than 8 rows re-read the block from L1/L2. Measured (2-core AMD EPYC Zen 4, 30
- * layers of SmolLM2's 3072 x 576 gate_up in bfloat16, /tmp harness): 2.5-3.4 ms at 1-8 rows, the
- * rate of a plain read of the same bytes, against 4.9 ms for the row kernel at 1 row.
+ * and inputs of more than 8 rows re-read the block from L1/L2. Measured (2-core AMD EPYC Zen 4,
+ * SmolLM2's 30 layers of linears in bfloat16, results/packed_linear_zen4.json): 6.0 / 5.9 / 6.8 ms at
+ * 1 / 4 / 8 rows, about the time a plain read of the same 212 MB takes, against 6.1 / 10.4 / 13.7 ms
+ * for the row kernel and 10.6 / 9.8 / 12.2 ms for oneDNN's packed copy.
  *
  * The sums run over k in order, in float32 (bfloat16: pairs by vdpbf16ps, rounded once at the end,
  * as oneDNN's). Output columns go to the threads in blocks of 32. AVX-512 only (AVX512-BF16 for

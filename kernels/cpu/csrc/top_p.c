@@ -35,13 +35,6 @@ static inline uint32_t ps_tp_key(float x) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u); /* ascending keys for ascending floats */
 }
 
-static inline float ps_tp_value(uint32_t key) {
-    const uint32_t u = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
 /* The smallest key v with sum(w[i] : key[i] <= v) > target (w = NULL: every weight 1), over the
  * tokens with key >= lo. hist has 1 << 11 doubles. */
 static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t V, const uint32_t lo,
