@@ -3,19 +3,19 @@
 Order (as vLLM v1): raw logprobs from the model's logits; then logit bias, min_tokens masking,
 penalties and the grammar mask of structured outputs (-inf on disallowed tokens); greedy rows
 take the argmax; the others are scaled by temperature, filtered by min_p, top_k and top_p (kernels/sampling.py:
-a radix select in C, no sort), and sampled by the exponential race (argmax p/q, q ~ Exp(1)) using the row's own generator when it
-has a seed, so a seeded row's draw never depends on its batch.
+a radix select in C, no sort), and sampled by the exponential race (argmax p/q, q ~ Exp(1), also
+kernels/sampling.py) keyed by one draw from the row's own generator when it has a seed, so a seeded
+row's draw never depends on its batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarMask, apply_grammar_mask
-from kernels.sampling import top_k_top_p_probs
+from kernels.sampling import race, top_k_top_p_probs
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,9 @@ class Sampler:
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             sub = sub.masked_fill(probs < threshold, float("-inf"))
         probs = self._sampling_probs(sub, params)  # [S, V]
-        for j, i in enumerate(sampling):
-            tokens[i] = _race(probs[j], rows[i].generator or self.generator)
+        seeds = torch.tensor([_race_seed(rows[i].generator or self.generator) for i in sampling])  # [S]
+        drawn = race(probs, seeds)  # [S]; -1 for a row without a positive probability (NaN logits)
+        tokens[idx] = torch.where(drawn >= 0, drawn, tokens[idx])  # such a row keeps its argmax
         return tokens
 
     @staticmethod
@@ -155,15 +156,7 @@ class Sampler:
         return SampleResult(token_list, chosen.tolist(), tops, ranks.tolist())
 
 
-def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw from probs [V] by the exponential race, argmax p / q with q ~ Exp(1), over the tokens
-    that can win (p > 0): a top-p row draws a few hundred exponentials instead of V (SmolLM2: 49,152
-    draws took ~0.9 ms a row, most of the sampler's time at n=8). Not an inverse-CDF draw (one uniform
-    a row): that moves with every token's rounding before the chosen one, and tensor-parallel ranks
-    (another all-reduce order) then sampled other tokens than one rank did."""
-    kept = probs.nonzero().squeeze(1)  # [K]
-    # The K exponentials from numpy's generator, seeded by one draw from the row's: 0.15 vs 0.64 ms
-    # for 40,000 (a flat top-p row) through torch's exponential_; still one stream per seeded row.
-    seed = int(torch.randint(0, 2**62, (), generator=generator))
-    noise = torch.from_numpy(np.random.default_rng(seed).standard_exponential(kept.numel(), dtype=np.float32))
-    return kept[(probs[kept] / noise.to(probs.dtype)).argmax()]
+def _race_seed(generator: torch.Generator) -> int:
+    """The key of one row's race this step: one draw from its generator, which the draw advances
+    (so the next step's key differs, and a seeded row replays the same keys)."""
+    return int(torch.randint(0, 2**62, (), generator=generator))

@@ -70,6 +70,8 @@ SILU_MUL_ARGTYPES = [_P] * 2 + [_I64] * 4 + [_INT]
 ROPE_ARGTYPES = [_P] * 3 + [_I64] * 5 + [_INT]
 # logits; S, V, row stride; ks (int64), ps (float32), out, kept (int64); nthreads -> 2 without memory
 TOP_P_ARGTYPES = [_P] + [_I64] * 3 + [_P] * 4 + [_INT]
+# probs; S, V, row stride; seeds (int64), tokens (int64); nthreads
+RACE_ARGTYPES = [_P] + [_I64] * 3 + [_P] * 2 + [_INT]
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class NativeKernels:
     top_k_top_p: ctypes._CFuncPtr  # sampling's top-k / top-p filter (csrc/top_p.c)
     lanes_f32: ctypes._CFuncPtr | None  # linear on the lanes layout (csrc/lanes_linear.c); None without AVX-512
     lanes_bf16: ctypes._CFuncPtr | None  # ... and without AVX512-BF16
+    race: ctypes._CFuncPtr  # sampling's exponential race (csrc/top_p.c)
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
     # stack alike. Callers check the dtype with has_dtype first.
@@ -214,6 +217,7 @@ def _load(path: Path) -> NativeKernels:
     lib.ps_int4_linear_available.restype = ctypes.c_int64
     int4_linear = lib.ps_int4_linear if lib.ps_int4_linear_available() else None
     lib.ps_top_k_top_p.argtypes, lib.ps_top_k_top_p.restype = TOP_P_ARGTYPES, ctypes.c_int64
+    lib.ps_race.argtypes, lib.ps_race.restype = RACE_ARGTYPES, None
     lanes = []
     for dtype in ("f32", "bf16"):
         fn, available = getattr(lib, f"ps_lanes_linear_{dtype}"), getattr(lib, f"ps_lanes_{dtype}_available")
@@ -221,7 +225,7 @@ def _load(path: Path) -> NativeKernels:
         lanes.append(fn if available() else None)
     return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, int4_linear, elementwise,
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
-                         lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes)
+                         lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes, lib.ps_race)
 
 
 @functools.cache

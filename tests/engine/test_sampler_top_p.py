@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.cpu.native import native_kernels
-from kernels.sampling import top_k_top_p_probs, top_k_top_p_probs_torch
+from kernels.sampling import race, top_k_top_p_probs, top_k_top_p_probs_torch
 
 
 def _assert_same_distribution(fast: torch.Tensor, ref: torch.Tensor) -> None:
@@ -81,15 +81,45 @@ def test_the_kernel_is_built_here():
     assert native_kernels() is not None  # CI has a C compiler: the tests above ran the kernel
 
 
-def test_the_race_over_kept_tokens_draws_from_the_distribution():
-    from engine.sampler import _race
+def test_the_sampler_race_draws_from_the_distribution_and_replays_a_seed():
+    from engine.sampler import _race_seed
 
-    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0]])
     g = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.stack([_race(probs, g) for _ in range(6000)]), minlength=5).float() / 6000
+
+    def draw(p, gen):
+        return int(race(p, torch.tensor([_race_seed(gen)]))[0])
+
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(6000)]), minlength=5).float() / 6000
     assert counts[1] == 0 and counts[4] == 0  # a token with p = 0 never wins
-    assert torch.allclose(counts, probs, atol=0.025)
+    assert torch.allclose(counts, probs[0], atol=0.025)
     a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    assert [int(_race(probs, a)) for _ in range(50)] == [int(_race(probs, b)) for _ in range(50)]  # seeded
-    edge = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])  # zero mass first and last
-    assert {int(_race(edge, g)) for _ in range(2000)} == {1, 3}
+    assert [draw(probs, a) for _ in range(50)] == [draw(probs, b) for _ in range(50)]  # seeded
+    edge = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]])  # zero mass first and last
+    assert {draw(edge, g) for _ in range(2000)} == {1, 3}
+
+
+def test_the_sampler_draws_each_sampling_row_by_its_own_seed_and_keeps_greedy_rows():
+    from engine.sampler import Sampler, SampleRow
+    from engine.sampling_params import SamplingParams
+
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(4))
+    nan_row = torch.full((1, 300), float("nan"))
+
+    def rows(seed_a: int):
+        sampled = SamplingParams(temperature=1.0, top_p=0.9)
+        return [SampleRow(sampled, [1], 1, torch.Generator().manual_seed(seed_a), ()),
+                SampleRow(SamplingParams(temperature=0), [1], 1, None, ()),
+                SampleRow(sampled, [1], 1, torch.Generator().manual_seed(99), ())]
+
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    first = sampler(logits.clone(), rows(5)).token_ids
+    assert first == sampler(logits.clone(), rows(5)).token_ids  # the row seeds alone decide
+    assert first[1] == int(logits[1].argmax())  # greedy row untouched
+    kept = top_k_top_p_probs(logits[[0, 2]], torch.tensor([300, 300]), torch.tensor([0.9, 0.9]))
+    assert kept[0, first[0]] > 0 and kept[1, first[2]] > 0  # drawn among the kept tokens
+    draws = {sampler(logits.clone(), rows(s)).token_ids[0] for s in range(40)}
+    assert len(draws) > 1 and draws <= set(kept[0].nonzero().squeeze(1).tolist())
+    # NaN logits (a broken model): no row to draw from; the step still answers, with the argmax
+    out = sampler(torch.cat([nan_row, logits[1:]]), rows(5)).token_ids
+    assert out[1:] == first[1:] and 0 <= out[0] < 300
