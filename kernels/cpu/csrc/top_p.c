@@ -28,6 +28,7 @@
 #define PS_TP_B1 11
 #define PS_TP_B2 11
 #define PS_TP_B3 10
+#define PS_TP_COPIES 4
 
 static inline uint32_t ps_tp_key(float x) {
     uint32_t u;
@@ -36,7 +37,7 @@ static inline uint32_t ps_tp_key(float x) {
 }
 
 /* The smallest key v with sum(w[i] : key[i] <= v) > target (w = NULL: every weight 1), over the
- * tokens with key >= lo. hist has 1 << 11 doubles. */
+ * tokens with key >= lo. hist has PS_TP_COPIES << 11 doubles. */
 static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t V, const uint32_t lo,
                              double target, double *hist) {
     static const int bits[3] = {PS_TP_B1, PS_TP_B2, PS_TP_B3};
@@ -46,12 +47,31 @@ static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t
         const int b = bits[level];
         shift -= b;
         const int nb = 1 << b;
-        for (int j = 0; j < nb; ++j) hist[j] = 0.0;
+        /* PS_TP_COPIES histograms taken in turn, summed after: neighbouring tokens often land in one
+         * bucket, and a single histogram then chains every add through memory */
+        for (int j = 0; j < PS_TP_COPIES * nb; ++j) hist[j] = 0.0;
+#ifdef PS_AVX512
+        if (known) { /* past the first level few tokens match the prefix: find them 16 at a time */
+            const __m512i vlo = _mm512_set1_epi32((int32_t)lo), vpre = _mm512_set1_epi32((int32_t)prefix);
+            for (int64_t i0 = 0; i0 < V; i0 += 16) {
+                const __mmask16 in = V - i0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - i0)) - 1u);
+                const __m512i kv = _mm512_maskz_loadu_epi32(in, keys + i0);
+                unsigned hit = _mm512_mask_cmp_epu32_mask(in, kv, vlo, _MM_CMPINT_NLT) &
+                               _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(kv, (unsigned)(32 - known)), vpre);
+                for (; hit; hit &= hit - 1) {
+                    const int64_t i = i0 + __builtin_ctz(hit);
+                    hist[(i % PS_TP_COPIES) * nb + ((keys[i] >> shift) & (uint32_t)(nb - 1))] += w ? (double)w[i] : 1.0;
+                }
+            }
+        } else
+#endif
         for (int64_t i = 0; i < V; ++i) {
             const uint32_t key = keys[i];
             if (key < lo || (known && (key >> (32 - known)) != prefix)) continue;
-            hist[(key >> shift) & (uint32_t)(nb - 1)] += w ? (double)w[i] : 1.0;
+            hist[(i % PS_TP_COPIES) * nb + ((key >> shift) & (uint32_t)(nb - 1))] += w ? (double)w[i] : 1.0;
         }
+        for (int c = 1; c < PS_TP_COPIES; ++c)
+            for (int j = 0; j < nb; ++j) hist[j] += hist[c * nb + j];
         int j = 0;
         double run = 0.0;
         for (; j < nb - 1; ++j) {
@@ -65,9 +85,76 @@ static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t
     return prefix;
 }
 
-/* One row: keys into `keys`, exp(x - max) of the kept tokens into `out`, then the final scale. */
-static int64_t ps_tp_row(const float *restrict x, const int64_t V, const int64_t k, const float p,
-                         float *restrict out, uint32_t *restrict keys, double *hist) {
+/* The row passes around the two selects: keys and the max (-1 for a NaN or no finite logit), the
+ * exp masses of the tokens at or above the k-th (their sum z), and the tokens at or above the cut
+ * (their sum). With AVX-512, 16 tokens at a time with the sums in double lanes (gcc leaves these
+ * loops scalar: the exp, the double sums). With the selects' changes (copies of the histogram, the
+ * later levels' tokens found 16 at a time), 8 rows of 49,152 logits, top-p 0.95, 2-core AMD EPYC
+ * Zen 4: 1.44 -> 0.55 ms (2 threads), 1.31 -> 0.95 ms (1 thread); with top-k 50 too, 1.98 -> 1.19 (1). */
+#ifdef PS_AVX512
+static inline __mmask16 ps_tp_tail(int64_t V, int64_t i) {
+    return V - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - i)) - 1u);
+}
+
+static inline __m512d ps_tp_sum_pd(__m512d acc, __m512 v) { /* acc + the 16 floats of v, in double */
+    acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+    return _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+static float ps_tp_keys(const float *restrict x, const int64_t V, uint32_t *restrict keys) {
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < V; i += 16) {
+        const __mmask16 in = ps_tp_tail(V, i);
+        const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), in, x + i);
+        const __m512i u = _mm512_castps_si512(xv);
+        const __m512i key = _mm512_mask_blend_epi32(_mm512_movepi32_mask(u), _mm512_or_si512(u, _mm512_set1_epi32((int32_t)0x80000000u)),
+                                                    _mm512_xor_si512(u, _mm512_set1_epi32(-1)));
+        _mm512_mask_storeu_epi32(keys + i, in, key);
+        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(vm, xv);
+    }
+    const float m = _mm512_reduce_max_ps(vm);
+    return nan || m == -INFINITY ? NAN : m;
+}
+
+static double ps_tp_masses(const float *restrict x, const int64_t V, const uint32_t *restrict keys, const uint32_t kth,
+                           const float m, float *restrict out) {
+    __m512d z = _mm512_setzero_pd();
+    const __m512i kv = _mm512_set1_epi32((int32_t)kth);
+    const __m512 vm = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < V; i += 16) {
+        const __mmask16 in = ps_tp_tail(V, i);
+        const __m512 xv = _mm512_mask_loadu_ps(ninf, in, x + i);
+        const __mmask16 keep = _mm512_cmp_epu32_mask(_mm512_maskz_loadu_epi32(in, keys + i), kv, _MM_CMPINT_NLT) &
+                               _mm512_cmp_ps_mask(xv, ninf, _CMP_NEQ_OQ) & in;
+        const __m512 e = _mm512_maskz_mov_ps(keep, ps_exp16(_mm512_sub_ps(xv, vm)));
+        _mm512_mask_storeu_ps(out + i, in, e);
+        z = ps_tp_sum_pd(z, e);
+    }
+    return _mm512_reduce_add_pd(z);
+}
+
+static double ps_tp_keep(const int64_t V, const uint32_t *restrict keys, const uint32_t cut, float *restrict out,
+                         int64_t *kept) {
+    __m512d mass = _mm512_setzero_pd();
+    const __m512i cv = _mm512_set1_epi32((int32_t)cut);
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i += 16) {
+        const __mmask16 in = ps_tp_tail(V, i);
+        const __m512 e = _mm512_maskz_loadu_ps(in, out + i);
+        const __mmask16 keep = _mm512_cmp_epu32_mask(_mm512_maskz_loadu_epi32(in, keys + i), cv, _MM_CMPINT_NLT) &
+                               _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_GT_OQ) & in;
+        const __m512 k = _mm512_maskz_mov_ps(keep, e);
+        _mm512_mask_storeu_ps(out + i, in, k);
+        mass = ps_tp_sum_pd(mass, k);
+        n += __builtin_popcount((unsigned)keep);
+    }
+    *kept = n;
+    return _mm512_reduce_add_pd(mass);
+}
+#else
+static float ps_tp_keys(const float *restrict x, const int64_t V, uint32_t *restrict keys) {
     float m = -INFINITY;
     int any_nan = 0;
     for (int64_t i = 0; i < V; ++i) {
@@ -75,27 +162,47 @@ static int64_t ps_tp_row(const float *restrict x, const int64_t V, const int64_t
         any_nan |= x[i] != x[i];
         m = x[i] > m ? x[i] : m;
     }
-    if (any_nan || m == -INFINITY) return -1; /* the caller keeps the reference for such a row */
-    const uint32_t kth = k < V ? ps_tp_select(keys, NULL, V, 0u, (double)(V - k), hist) : 0u;
+    return any_nan || m == -INFINITY ? NAN : m;
+}
+
+static double ps_tp_masses(const float *restrict x, const int64_t V, const uint32_t *restrict keys, const uint32_t kth,
+                           const float m, float *restrict out) {
     double z = 0.0;
     for (int64_t i = 0; i < V; ++i) {
         const float e = (keys[i] >= kth && x[i] != -INFINITY) ? ps_exp(x[i] - m) : 0.0f;
         out[i] = e;
         z += e;
     }
-    uint32_t cut = kth;
-    if (p < 1.0f) cut = ps_tp_select(keys, out, V, kth, (1.0 - (double)p) * z, hist);
-    double kept_mass = 0.0;
-    int64_t kept = 0;
+    return z;
+}
+
+static double ps_tp_keep(const int64_t V, const uint32_t *restrict keys, const uint32_t cut, float *restrict out,
+                         int64_t *kept) {
+    double mass = 0.0;
+    int64_t n = 0;
     for (int64_t i = 0; i < V; ++i) {
         if (keys[i] >= cut && out[i] > 0.0f) {
-            kept_mass += out[i];
-            ++kept;
+            mass += out[i];
+            ++n;
         } else {
             out[i] = 0.0f;
         }
     }
-    const float inv = (float)(1.0 / kept_mass);
+    *kept = n;
+    return mass;
+}
+#endif
+
+/* One row: keys into `keys`, exp(x - max) of the kept tokens into `out`, then the final scale. */
+static int64_t ps_tp_row(const float *restrict x, const int64_t V, const int64_t k, const float p,
+                         float *restrict out, uint32_t *restrict keys, double *hist) {
+    const float m = ps_tp_keys(x, V, keys);
+    if (m != m) return -1; /* a NaN or no finite logit: the caller keeps the reference for such a row */
+    const uint32_t kth = k < V ? ps_tp_select(keys, NULL, V, 0u, (double)(V - k), hist) : 0u;
+    const double z = ps_tp_masses(x, V, keys, kth, m, out);
+    const uint32_t cut = p < 1.0f ? ps_tp_select(keys, out, V, kth, (1.0 - (double)p) * z, hist) : kth;
+    int64_t kept;
+    const float inv = (float)(1.0 / ps_tp_keep(V, keys, cut, out, &kept));
     for (int64_t i = 0; i < V; ++i) out[i] *= inv;
     return kept;
 }
@@ -106,14 +213,14 @@ static int64_t ps_tp_row(const float *restrict x, const int64_t V, const int64_t
 int64_t ps_top_k_top_p(const float *logits, const int64_t S, const int64_t V, const int64_t ld, const int64_t *ks,
                        const float *ps, float *out, int64_t *kept, const int nthreads) {
     const int nt = nthreads < 1 ? 1 : nthreads;
-    const size_t per_thread = ((size_t)V * sizeof(uint32_t) + ((size_t)1 << PS_TP_B1) * sizeof(double) + 63) / 64 * 64;
+    const size_t per_thread = ((size_t)V * sizeof(uint32_t) + ((size_t)PS_TP_COPIES << PS_TP_B1) * sizeof(double) + 63) / 64 * 64;
     char *scratch = malloc((size_t)nt * per_thread);
     if (!scratch) return 2;
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t s = 0; s < S; ++s) {
         char *mine = scratch + (size_t)omp_get_thread_num() * per_thread;
         double *hist = (double *)mine; /* 8-byte aligned first, then the keys */
-        uint32_t *keys = (uint32_t *)(mine + ((size_t)1 << PS_TP_B1) * sizeof(double));
+        uint32_t *keys = (uint32_t *)(mine + ((size_t)PS_TP_COPIES << PS_TP_B1) * sizeof(double));
         kept[s] = ps_tp_row(logits + s * ld, V, ks[s], ps[s], out + s * V, keys, hist);
     }
     free(scratch);
