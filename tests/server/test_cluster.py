@@ -131,11 +131,13 @@ def test_load_aware_policy_routes_away_from_a_busy_worker(tiny_path, tmp_path):
         busy, idle = workers
         stop = threading.Event()
 
-        def keep_busy() -> None:  # straight to one worker, not through the gateway; short requests, so the
-            # loop keeps it busy while the test runs yet the join at the end waits for little
+        def keep_busy() -> None:  # straight to one worker, not through the gateway; requests of a few
+            # seconds, so the loop keeps it busy while the test runs yet the join at the end waits for little.
+            # Shorter ones let the gateway send about 2 in 5 to the busy worker (measured 11-13 of 20 to the
+            # idle one at ~1.9 s a request once the sampler's race moved to C; 16 or more at ~5 s, as before).
             while not stop.is_set():
                 httpx.post(f"{busy}/v1/completions", json={"model": "tiny", "prompt": "busy " * 20, "n": 8,
-                                                           "max_tokens": 150, "ignore_eos": True}, timeout=120)
+                                                           "max_tokens": 400, "ignore_eos": True}, timeout=120)
 
         threads = [threading.Thread(target=keep_busy) for _ in range(4)]
         for t in threads:
