@@ -36,6 +36,13 @@ static inline uint32_t ps_tp_key(float x) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u); /* ascending keys for ascending floats */
 }
 
+#ifdef PS_AVX512
+/* Lanes i .. i+15 that fall inside a row of V. */
+static inline __mmask16 ps_tp_tail(int64_t V, int64_t i) {
+    return V - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - i)) - 1u);
+}
+#endif
+
 /* The smallest key v with sum(w[i] : key[i] <= v) > target (w = NULL: every weight 1), over the
  * tokens with key >= lo. hist has PS_TP_COPIES << 11 doubles. */
 static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t V, const uint32_t lo,
@@ -54,7 +61,7 @@ static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t
         if (known) { /* past the first level few tokens match the prefix: find them 16 at a time */
             const __m512i vlo = _mm512_set1_epi32((int32_t)lo), vpre = _mm512_set1_epi32((int32_t)prefix);
             for (int64_t i0 = 0; i0 < V; i0 += 16) {
-                const __mmask16 in = V - i0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - i0)) - 1u);
+                const __mmask16 in = ps_tp_tail(V, i0);
                 const __m512i kv = _mm512_maskz_loadu_epi32(in, keys + i0);
                 unsigned hit = _mm512_mask_cmp_epu32_mask(in, kv, vlo, _MM_CMPINT_NLT) &
                                _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(kv, (unsigned)(32 - known)), vpre);
@@ -92,10 +99,6 @@ static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t
  * later levels' tokens found 16 at a time), 8 rows of 49,152 logits, top-p 0.95, 2-core AMD EPYC
  * Zen 4: 1.44 -> 0.55 ms (2 threads), 1.31 -> 0.95 ms (1 thread); with top-k 50 too, 1.98 -> 1.19 (1). */
 #ifdef PS_AVX512
-static inline __mmask16 ps_tp_tail(int64_t V, int64_t i) {
-    return V - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - i)) - 1u);
-}
-
 static inline __m512d ps_tp_sum_pd(__m512d acc, __m512 v) { /* acc + the 16 floats of v, in double */
     acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
     return _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
@@ -261,7 +264,8 @@ static inline float ps_race_uniform(uint32_t i, uint32_t s0, uint32_t s1) {
 }
 
 /* -log(u) for u in (0, 1): u = 2^e m with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(t), t = (m-1)/(m+1),
- * |t| < 0.172, by its series to t^9 (relative error < 1e-7); branch-free, so the loop vectorises. */
+ * |t| < 0.172, by its series to t^9 (relative error < 1e-7). The scalar path's; ps_neglog16 below is the
+ * same arithmetic 16 lanes at a time. */
 static inline float ps_neglog(float u) {
     uint32_t b;
     memcpy(&b, &u, 4);
@@ -316,7 +320,7 @@ static int64_t ps_race_row(const float *p, const int64_t V, uint64_t seed) {
     __m512i vidx = _mm512_set1_epi32(-1), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 half = _mm512_set1_ps(0.5f), scale = _mm512_set1_ps(0x1p-23f);
     for (; i < V; i += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
-        const __mmask16 in = V - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - i)) - 1u);
+        const __mmask16 in = ps_tp_tail(V, i);
         const __m512i h = ps_hash32x16(_mm512_add_epi32(
             ps_hash32x16(_mm512_xor_si512(idx, _mm512_set1_epi32((int32_t)s0))), _mm512_set1_epi32((int32_t)s1)));
         const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepu32_ps(_mm512_srli_epi32(h, 9)), half), scale);
