@@ -17,7 +17,9 @@ process; reports milliseconds and the ratio ("c_ms" is ours).
   (_weight_int4pack_mm_for_cpu), the same 30 layers' weights in groups of 32: one decode step at
   1 and 8 rows, 64 rows, and a 1,088-token prefill chunk;
 * the decoder layer's elementwise ops (residual add + RMSNorm, SiLU-and-multiply, rotary) at 4
-  rows (decode) and 2,048 rows (a prefill chunk).
+  rows (decode) and 2,048 rows (a prefill chunk);
+* the sampler's top-p filter and exponential race (kernels/sampling.py) on 8 rows of 49,152 logits
+  (n=8), against their torch references (float32 logits, so listed under float32 only).
 
 One summary line; JSON + PNG under benchmarks/results/.
 
@@ -226,6 +228,23 @@ def elementwise_cases(dtype: torch.dtype, repeat: int) -> dict:
     return out
 
 
+def sampling_cases(dtype: torch.dtype, repeat: int) -> dict:
+    from kernels.sampling import race, race_torch, top_k_top_p_probs, top_k_top_p_probs_torch
+
+    if dtype != torch.float32:  # the sampler's logits are float32 whatever the model dtype
+        return {}
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(5)) * 3  # [8, V]
+    ks, ps = torch.full((8,), VOCAB), torch.full((8,), 0.95)
+    probs = top_k_top_p_probs(logits, ks, ps)
+    seeds = torch.arange(8)
+    return {
+        "top-p 0.95 filter 8 x 49152": {"c_ms": ms(lambda: top_k_top_p_probs(logits, ks, ps), repeat),
+                                        "torch_ms": ms(lambda: top_k_top_p_probs_torch(logits, ks, ps), repeat)},
+        "race 8 x 49152": {"c_ms": ms(lambda: race(probs, seeds), repeat),
+                           "torch_ms": ms(lambda: race_torch(probs, seeds), repeat)},
+    }
+
+
 def plot(name: str, results: dict) -> None:
     import matplotlib
 
@@ -250,7 +269,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--name", default="cpu_kernels")
-    ap.add_argument("--cases", nargs="+", default=["attention", "prefill", "linear", "onednn", "int4", "elementwise"])
+    ap.add_argument("--cases", nargs="+", default=["attention", "prefill", "linear", "onednn", "int4", "elementwise",
+                                                        "sampling"])
     args = ap.parse_args()
 
     from kernels.cpu.native import native_kernels
@@ -261,7 +281,8 @@ def main() -> None:
     for name in args.dtypes:
         dtype = getattr(torch, name)
         groups = {"attention": attention_cases, "prefill": prefill_attention_cases, "linear": linear_cases,
-                  "onednn": onednn_linear_cases, "int4": int4_linear_cases, "elementwise": elementwise_cases}
+                  "onednn": onednn_linear_cases, "int4": int4_linear_cases, "elementwise": elementwise_cases,
+                  "sampling": sampling_cases}
         cases = {label: case for g in args.cases for label, case in groups[g](dtype, args.repeat).items()}
         for case in cases.values():
             case["speedup"] = case["torch_ms"] / case["c_ms"]
