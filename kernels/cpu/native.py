@@ -150,6 +150,12 @@ def cpu_has_avx512() -> bool:
 
 
 @functools.cache
+def cpu_has_avx2() -> bool:
+    """The C kernels were built with their AVX2 paths (-march=native on a CPU with AVX2 and FMA)."""
+    return {"avx2", "fma"} <= set(_cpu_flags().split())
+
+
+@functools.cache
 def cpu_has_bf16_pairs() -> bool:
     """The C kernels were built with AVX512-BF16 (vdpbf16ps: bfloat16 pairs into float32 sums), which
     bfloat16 prefill attention and small bfloat16 linears use."""

@@ -32,7 +32,7 @@ import ctypes
 import torch
 
 from .._common import cdiv
-from .native import NativeKernels, cpu_has_amx, cpu_has_avx512, native_kernels
+from .native import NativeKernels, cpu_has_amx, cpu_has_avx2, cpu_has_avx512, native_kernels
 from .scratch import Scratch
 from ..masked_attention import window_or_softcap_applies
 from ..paged_attention_decode import _validate, paged_attention_decode_torch
@@ -173,10 +173,10 @@ def paged_attention_prefill_cpu(
 
 
 def _prefill_supported(native: NativeKernels, query, k_cache, v_cache, d: int) -> bool:
-    # Only with AVX-512: its GCC vector types split badly on AVX2, where torch's flash attention measured
-    # 13-25x faster (2-core AMD EPYC, AVX2 only; benchmarks/cpu_kernels.py --cases prefill).
+    # With AVX-512 or AVX2 (flash_item.h has an 8-lane item for it): the portable item's 16-lane vectors
+    # measured 10x slower than torch's flash attention there.
     return (
-        query.device.type == "cpu" and cpu_has_avx512()
+        query.device.type == "cpu" and (cpu_has_avx512() or cpu_has_avx2())
         and (query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and not cpu_has_amx()))
         and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         and d <= native.max_prefill_head_dim and d % native.prefill_head_dim_multiple == 0

@@ -14,6 +14,28 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 
 
+def avx2_kernels(out_dir):
+    """The CPU C kernels built for AVX2 + FMA only (-march=x86-64-v3), as on an AVX2-only CPU, loaded: the
+    8-lane paths an AVX-512 build (CI's) never runs. Skips where the native build already is that build
+    or this CPU cannot run it."""
+    import platform
+    import subprocess
+
+    from kernels.cpu import native
+
+    if native._compiler() is None or platform.machine() != "x86_64":
+        pytest.skip("needs a C compiler on x86-64")
+    if not native.cpu_has_avx512():
+        pytest.skip("the native build is the AVX2 build here")
+    if not native.cpu_has_avx2():
+        pytest.skip("an AVX2 build needs a CPU with AVX2 to run")
+    out = out_dir / "libprefixserve_cpu.so"
+    flags = [f for f in native.FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
+    subprocess.run([native._compiler(), *flags, *map(str, native.SOURCES), "-o", str(out), "-lm"], check=True,
+                   capture_output=True, text=True)
+    return native._load(out)
+
+
 
 def _triton_usable() -> tuple[bool, str]:
     """Triton importable, and on CPU its interpreter really on (see conftest.py)."""

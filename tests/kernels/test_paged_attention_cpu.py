@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from kernels_testlib import TOL, PagedKV, naive_attention
+from kernels_testlib import TOL, PagedKV, avx2_kernels, naive_attention
 
 import kernels
 from kernels.cpu import native as _native
@@ -20,14 +20,28 @@ from kernels.paged_attention_prefill import paged_attention_prefill_torch
 HKV = 2
 
 
-@pytest.fixture(scope="module")
-def native():
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def native(request, tmp_path_factory):
+    """The library as the engine builds it (-march=native), then built for AVX2 only (-march=x86-64-v3), as
+    on an AVX2-only CPU: its 8-lane flash item, decode item and shared-prefix threshold, which an AVX-512
+    build (CI's) never runs. The second is used as the launchers would on such a CPU."""
     lib = _native.native_kernels()
     if lib is None and _native._compiler() is not None:
         pytest.fail("a C compiler is present but the CPU kernels did not build (see the warning log)")
     if lib is None:
         pytest.skip("no C compiler on this machine: the CPU backend falls back to the torch path")
-    return lib
+    if request.param == "native":
+        yield lib
+        return
+    avx2 = avx2_kernels(tmp_path_factory.mktemp("avx2"))
+    import kernels.cpu.paged_attention as launchers
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launchers, "native_kernels", lambda: avx2)
+        for mod in (launchers, _native):
+            mp.setattr(mod, "cpu_has_avx512", lambda: False)
+        mp.setattr(_native, "cpu_has_bf16_pairs", lambda: False)
+        yield avx2
 
 
 def _lens(bs):
@@ -141,8 +155,10 @@ def test_shared_prefix_attended_once_matches_naive(native, g, d, bs, dtype):
     per-sequence item."""
     members = 8 if dtype == torch.bfloat16 else 48
     k, v, tables, lens, query, naive = _shared_prefix_case(g, d, bs, dtype, members, seed=g + d + bs)
-    min_rows = 16 if dtype == torch.bfloat16 and _native.cpu_has_bf16_pairs() else 96
-    expected = (1 + (3 * g >= min_rows and 4 * bs >= 64)) if _native.cpu_has_avx512() else 0
+    # AVX2 builds: 16 rows either way (the 8-lane flash item); AVX-512: 16 with bfloat16 pairs, else 96
+    min_rows = 16 if dtype == torch.bfloat16 and _native.cpu_has_bf16_pairs() or not _native.cpu_has_avx512() else 96
+    flash = _native.cpu_has_avx512() or _native.cpu_has_avx2()
+    expected = (1 + (3 * g >= min_rows and 4 * bs >= 64)) if flash else 0
     assert _shared_groups(native, tables, lens, HKV * g, d, bs, dtype) == expected
     assert _shared_groups(native, tables, lens, HKV * g, d, bs, dtype, window=4096) == 0  # windows: per sequence
     scratch = Scratch()
@@ -274,14 +290,15 @@ def kernel_only(c_prefill, monkeypatch):
     monkeypatch.setattr(mod, "paged_attention_prefill_torch", lambda *a: pytest.fail("reached the reference"))
 
 
-def test_prefill_without_avx512_takes_the_torch_path(native, monkeypatch):
-    """On AVX2-only CPUs the kernel's 16-lane vector types split badly: torch's flash attention measured
-    13-25x faster there, so production prefill goes to the reference."""
+def test_prefill_without_avx512_or_avx2_takes_the_torch_path(native, monkeypatch):
+    """Without AVX-512 or AVX2 the kernel's portable item (16-lane vector types that split badly) measured
+    ~10x slower than torch's flash attention on an AVX2 CPU, so production prefill goes to the reference."""
     import kernels.cpu.paged_attention as mod
 
     kv, query, qsl = _prefill_case(_prefill_shapes(16), HKV, 3, 64, 16, seed=5)
     calls = []
     monkeypatch.setattr(mod, "cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(mod, "cpu_has_avx2", lambda: False)
     monkeypatch.setattr(mod, "paged_attention_prefill_torch",
                         lambda *a: calls.append(1) or paged_attention_prefill_torch(*a))
     paged_attention_prefill_cpu(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, qsl, 0.125)
