@@ -6,6 +6,7 @@ matches to rounding (rotary bit for bit: no FMA contraction).
 """
 import pytest
 import torch
+from kernels_testlib import avx2_kernels
 
 from kernels.cpu import native as _native
 from kernels.cpu.elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
@@ -16,12 +17,22 @@ ROWS = [1, 3, 64, 700]  # 700 x 576 > the kernels' threshold for splitting rows 
 TOL32 = {"atol": 1e-5, "rtol": 1e-5}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def native():
+@pytest.fixture(scope="module", autouse=True, params=["native", "avx2"])
+def native(request, tmp_path_factory):
+    """The engine's build (-march=native), then the AVX2-only build through the same launchers."""
     if _native.native_kernels() is None:
         if _native._compiler() is not None:
             pytest.fail("a C compiler is present but the CPU kernels did not build (see the warning log)")
         pytest.skip("no C compiler: the launchers are the torch references")
+    if request.param == "native":
+        yield
+        return
+    avx2 = avx2_kernels(tmp_path_factory.mktemp("avx2"))
+    import kernels.cpu.elementwise as launchers
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launchers, "native_kernels", lambda: avx2)
+        yield
 
 
 def _randn(*shape, dtype, seed=0, scale=1.0):
