@@ -97,7 +97,10 @@ def test_default_model_in_four_bits_answers_and_is_small(smollm2_path):
     info = quant.model_info
     assert info.quantization == "gguf" and info.weight_bytes * 3 <= dense_bytes
     params = SamplingParams(temperature=0, max_tokens=24)
-    answer = quant.chat([{"role": "user", "content": "What is the capital of France?"}], params, use_tqdm=False)
+    # Q4_1 answers "What is the capital of France?" from a near-tie ("The" -1.92 / "L" -2.01 as its first token,
+    # AVX2 CPU): attention differing at float32 rounding (the C kernel vs SDPA: 6e-6 apart in the dense model's
+    # logprobs) moved them by ~0.05 through the 4-bit linears and flipped it. This one leads by 1.4 there.
+    answer = quant.chat([{"role": "user", "content": "Name the capital of France."}], params, use_tqdm=False)
     assert "Paris" in answer[0].outputs[0].text
     assert "Paris" in quant.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text
 
