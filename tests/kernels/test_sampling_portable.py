@@ -1,7 +1,7 @@
-"""The sampler's C kernels (kernels/cpu/csrc/top_p.c) built without AVX-512, as on an AVX2-only CPU: their
-scalar paths (the race, the top-k / top-p filter's row passes and selects) against the torch references.
-The engine's build takes the AVX-512 paths wherever the CPU has them, CI's included, so only this test
-runs the others there."""
+"""The sampler's C kernels (kernels/cpu/csrc/top_p.c) built without AVX-512: for AVX2 (-march=x86-64-v3, its
+8-lane paths) and for baseline x86-64 (the scalar paths), the race and the top-k / top-p filter against the torch
+references. The engine's build takes the AVX-512 paths wherever the CPU has them, CI's included, so only this
+test runs the others there."""
 import ctypes
 import platform
 import subprocess
@@ -13,13 +13,15 @@ from kernels.cpu import native
 from kernels.sampling import race_torch, top_k_top_p_probs_torch
 
 
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory):
+@pytest.fixture(scope="module", params=["x86-64-v3", "x86-64"])  # AVX2 + FMA; SSE2 only
+def portable(request, tmp_path_factory):
     cc = native._compiler()
     if cc is None or platform.machine() != "x86_64":
         pytest.skip("needs a C compiler on x86-64")
+    if request.param == "x86-64-v3" and not native.cpu_has_avx2():
+        pytest.skip("an AVX2 build needs a CPU with AVX2 to run")
     out = tmp_path_factory.mktemp("portable") / "libtop_p.so"
-    flags = [f for f in native.FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]  # AVX2 + FMA, no AVX-512
+    flags = [f for f in native.FLAGS if f != "-march=native"] + [f"-march={request.param}"]
     subprocess.run([cc, *flags, str(native.CSRC / "top_p.c"), "-o", str(out), "-lm"], check=True,
                    capture_output=True, text=True)
     lib = ctypes.CDLL(str(out))
@@ -29,7 +31,7 @@ def portable(tmp_path_factory):
 
 
 @pytest.mark.parametrize("vocab", [1, 17, 300, 5000, 49152])
-def test_the_scalar_race_picks_the_reference_token(portable, vocab):
+def test_the_portable_race_picks_the_reference_token(portable, vocab):
     g = torch.Generator().manual_seed(vocab)
     probs = torch.rand(6, vocab, generator=g) ** 4
     probs[probs < 0.1] = 0.0
@@ -42,7 +44,7 @@ def test_the_scalar_race_picks_the_reference_token(portable, vocab):
 
 
 @pytest.mark.parametrize("vocab", [17, 300, 5000, 49152])
-def test_the_scalar_filter_keeps_the_reference_set(portable, vocab):
+def test_the_portable_filter_keeps_the_reference_set(portable, vocab):
     g = torch.Generator().manual_seed(vocab + 1)
     logits = torch.randn(4, vocab, generator=g) * 3
     logits[1, : vocab // 2] = float("-inf")
