@@ -203,7 +203,8 @@ def int4_linear_cases(dtype: torch.dtype, repeat: int) -> dict:
 
 
 def elementwise_cases(dtype: torch.dtype, repeat: int) -> dict:
-    from kernels import elementwise as ew
+    from kernels import elementwise as ref
+    from kernels.cpu import elementwise as ew
 
     gen = torch.Generator().manual_seed(2)
     out = {}
@@ -220,11 +221,11 @@ def elementwise_cases(dtype: torch.dtype, repeat: int) -> dict:
             return qkv.clone()[:, : (HQ + HKV) * D].view(rows, HQ + HKV, D)
 
         out[f"add+rmsnorm {rows} rows"] = {"c_ms": ms(lambda: ew.add_rms_norm_cpu(x, h, w, 1e-5), repeat),
-                                           "torch_ms": ms(lambda: ew.add_rms_norm_torch(x, h, w, 1e-5), repeat)}
+                                           "torch_ms": ms(lambda: ref.add_rms_norm_torch(x, h, w, 1e-5), repeat)}
         out[f"silu*up {rows} rows"] = {"c_ms": ms(lambda: ew.silu_mul_cpu(gate_up), repeat),
-                                       "torch_ms": ms(lambda: ew.silu_mul_torch(gate_up), repeat)}
+                                       "torch_ms": ms(lambda: ref.silu_mul_torch(gate_up), repeat)}
         out[f"rotary {rows} rows"] = {"c_ms": ms(lambda: ew.rope_cpu(fresh_qk(), cos, sin), repeat),
-                                      "torch_ms": ms(lambda: ew.rope_torch(fresh_qk(), cos, sin), repeat)}
+                                      "torch_ms": ms(lambda: ref.rope_torch(fresh_qk(), cos, sin), repeat)}
     return out
 
 
