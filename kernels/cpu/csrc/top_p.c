@@ -65,6 +65,12 @@ static inline double ps_tp_hadd_pd(__m256d v) {
 }
 #endif
 
+/* Token i into histogram copy i % PS_TP_COPIES, at its bucket (of nb) for the bits below `shift`. */
+static inline void ps_tp_count(double *hist, const int nb, const int shift, const uint32_t *keys, const float *w,
+                               const int64_t i) {
+    hist[(i % PS_TP_COPIES) * nb + ((keys[i] >> shift) & (uint32_t)(nb - 1))] += w ? (double)w[i] : 1.0;
+}
+
 /* The smallest key v with sum(w[i] : key[i] <= v) > target (w = NULL: every weight 1), over the
  * tokens with key >= lo. hist has PS_TP_COPIES << 11 doubles. */
 static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t V, const uint32_t lo,
@@ -79,45 +85,32 @@ static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t
         /* PS_TP_COPIES histograms taken in turn, summed after: neighbouring tokens often land in one
          * bucket, and a single histogram then chains every add through memory */
         for (int j = 0; j < PS_TP_COPIES * nb; ++j) hist[j] = 0.0;
+        int64_t i = 0; /* the tokens a vector loop below leaves are counted one by one after it */
 #ifdef PS_AVX512
         if (known) { /* past the first level few tokens match the prefix: find them 16 at a time */
             const __m512i vlo = _mm512_set1_epi32((int32_t)lo), vpre = _mm512_set1_epi32((int32_t)prefix);
-            for (int64_t i0 = 0; i0 < V; i0 += 16) {
-                const __mmask16 in = ps_tp_tail(V, i0);
-                const __m512i kv = _mm512_maskz_loadu_epi32(in, keys + i0);
+            for (; i < V; i += 16) {
+                const __mmask16 in = ps_tp_tail(V, i);
+                const __m512i kv = _mm512_maskz_loadu_epi32(in, keys + i);
                 unsigned hit = _mm512_mask_cmp_epu32_mask(in, kv, vlo, _MM_CMPINT_NLT) &
                                _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(kv, (unsigned)(32 - known)), vpre);
-                for (; hit; hit &= hit - 1) {
-                    const int64_t i = i0 + __builtin_ctz(hit);
-                    hist[(i % PS_TP_COPIES) * nb + ((keys[i] >> shift) & (uint32_t)(nb - 1))] += w ? (double)w[i] : 1.0;
-                }
+                for (; hit; hit &= hit - 1) ps_tp_count(hist, nb, shift, keys, w, i + __builtin_ctz(hit));
             }
-        } else
+        }
 #elif defined(PS_AVX2)
         if (known) { /* as above, 8 at a time */
             const __m256i vlo = _mm256_set1_epi32((int32_t)lo), vpre = _mm256_set1_epi32((int32_t)prefix);
             const __m128i sh = _mm_cvtsi32_si128(32 - known);
-            int64_t i0 = 0;
-            for (; i0 + 8 <= V; i0 += 8) {
-                const __m256i kv = _mm256_loadu_si256((const __m256i *)(keys + i0));
+            for (; i + 8 <= V; i += 8) {
+                const __m256i kv = _mm256_loadu_si256((const __m256i *)(keys + i));
                 const __m256i match = _mm256_and_si256(ps_tp_geu(kv, vlo), _mm256_cmpeq_epi32(_mm256_srl_epi32(kv, sh), vpre));
-                for (unsigned hit = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(match)); hit; hit &= hit - 1) {
-                    const int64_t i = i0 + __builtin_ctz(hit);
-                    hist[(i % PS_TP_COPIES) * nb + ((keys[i] >> shift) & (uint32_t)(nb - 1))] += w ? (double)w[i] : 1.0;
-                }
+                for (unsigned hit = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(match)); hit; hit &= hit - 1)
+                    ps_tp_count(hist, nb, shift, keys, w, i + __builtin_ctz(hit));
             }
-            for (int64_t i = i0; i < V; ++i) {
-                const uint32_t key = keys[i];
-                if (key < lo || (key >> (32 - known)) != prefix) continue;
-                hist[(i % PS_TP_COPIES) * nb + ((key >> shift) & (uint32_t)(nb - 1))] += w ? (double)w[i] : 1.0;
-            }
-        } else
-#endif
-        for (int64_t i = 0; i < V; ++i) {
-            const uint32_t key = keys[i];
-            if (key < lo || (known && (key >> (32 - known)) != prefix)) continue;
-            hist[(i % PS_TP_COPIES) * nb + ((key >> shift) & (uint32_t)(nb - 1))] += w ? (double)w[i] : 1.0;
         }
+#endif
+        for (; i < V; ++i)
+            if (keys[i] >= lo && (!known || (keys[i] >> (32 - known)) == prefix)) ps_tp_count(hist, nb, shift, keys, w, i);
         for (int c = 1; c < PS_TP_COPIES; ++c)
             for (int j = 0; j < nb; ++j) hist[j] += hist[c * nb + j];
         int j = 0;
@@ -133,13 +126,6 @@ static uint32_t ps_tp_select(const uint32_t *keys, const float *w, const int64_t
     return prefix;
 }
 
-/* The row passes around the two selects: keys and the max (-1 for a NaN or no finite logit), the
- * exp masses of the tokens at or above the k-th (their sum z), and the tokens at or above the cut
- * (their sum). With AVX-512, 16 tokens at a time with the sums in double lanes (gcc leaves these
- * loops scalar: the exp, the double sums). With the selects' changes (copies of the histogram, the
- * later levels' tokens found 16 at a time), 8 rows of 49,152 logits, top-p 0.95, 2-core AMD EPYC
- * Zen 4: 1.44 -> 0.55 ms (2 threads), 1.31 -> 0.95 ms (1 thread); with top-k 50 too, 1.98 -> 1.19 (1).
- * After: 0.42 ms vs the torch sort reference's 16.8 (benchmarks/cpu_kernels.py, results/cpu_kernels_zen4.json). */
 /* The portable row passes over [0, V): the keys and the max (any NaN flagged in *nan), the masses, and the
  * kept set (its size in *kept). The AVX2 passes end with them on their last V % 8 tokens. */
 static inline float ps_tp_keys_part(const float *restrict x, const int64_t V, uint32_t *restrict keys, int *nan) {
@@ -179,6 +165,13 @@ static inline double ps_tp_keep_part(const int64_t V, const uint32_t *restrict k
     return mass;
 }
 
+/* The row passes around the two selects: keys and the max (-1 for a NaN or no finite logit), the
+ * exp masses of the tokens at or above the k-th (their sum z), and the tokens at or above the cut
+ * (their sum). With AVX-512, 16 tokens at a time with the sums in double lanes (gcc leaves these
+ * loops scalar: the exp, the double sums). With the selects' changes (copies of the histogram, the
+ * later levels' tokens found 16 at a time), 8 rows of 49,152 logits, top-p 0.95, 2-core AMD EPYC
+ * Zen 4: 1.44 -> 0.55 ms (2 threads), 1.31 -> 0.95 ms (1 thread); with top-k 50 too, 1.98 -> 1.19 (1).
+ * After: 0.42 ms vs the torch sort reference's 16.8 (benchmarks/cpu_kernels.py, results/cpu_kernels_zen4.json). */
 #ifdef PS_AVX512
 static inline __m512d ps_tp_sum_pd(__m512d acc, __m512 v) { /* acc + the 16 floats of v, in double */
     acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
@@ -477,7 +470,7 @@ static int64_t ps_race_row(const float *p, const int64_t V, uint64_t seed) {
         winner = (int64_t)_mm512_mask_reduce_min_epu32(top, vidx);
     }
 #elif defined(PS_AVX2)
-    /* as the AVX-512 loop, 8 lanes over V rounded down to 8; the last V % 8 tokens below */
+    /* as the AVX-512 loop, 8 lanes over V rounded down to 8 */
     __m256 vbest = _mm256_setzero_ps();
     __m256i vidx = _mm256_set1_epi32(-1), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 half = _mm256_set1_ps(0.5f), scale = _mm256_set1_ps(0x1p-23f);
@@ -502,26 +495,16 @@ static int64_t ps_race_row(const float *p, const int64_t V, uint64_t seed) {
             best = lb[l];
             winner = li[l];
         }
-    for (; i < V; ++i) {
-        const float pi = p[i];
-        if (!(pi > 0.0f)) continue;
-        const float r = pi / ps_neglog(ps_race_uniform((uint32_t)i, s0, s1));
-        if (r > best) {
-            best = r;
-            winner = i;
-        }
-    }
-#else
-    for (; i < V; ++i) {
-        const float pi = p[i];
-        if (!(pi > 0.0f)) continue;
-        const float r = pi / ps_neglog(ps_race_uniform((uint32_t)i, s0, s1));
-        if (r > best) {
-            best = r;
-            winner = i;
-        }
-    }
 #endif
+    for (; i < V; ++i) { /* every token without AVX-512 / AVX2, the last V % 8 with AVX2 */
+        const float pi = p[i];
+        if (!(pi > 0.0f)) continue;
+        const float r = pi / ps_neglog(ps_race_uniform((uint32_t)i, s0, s1));
+        if (r > best) {
+            best = r;
+            winner = i;
+        }
+    }
     return winner;
 }
 
