@@ -14,10 +14,10 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 
 
-def avx2_kernels(out_dir):
-    """The CPU C kernels built for AVX2 + FMA only (-march=x86-64-v3), as on an AVX2-only CPU, loaded: the
-    8-lane paths an AVX-512 build (CI's) never runs. Skips where the native build already is that build
-    or this CPU cannot run it."""
+def build_for(march: str, sources, out):
+    """The C sources compiled as the engine compiles them but for `march` instead of the native CPU, into
+    `out`; skips off x86-64 or without a C compiler, or where this CPU cannot run `march` (x86-64-v3:
+    AVX2 + FMA)."""
     import platform
     import subprocess
 
@@ -25,16 +25,22 @@ def avx2_kernels(out_dir):
 
     if native._compiler() is None or platform.machine() != "x86_64":
         pytest.skip("needs a C compiler on x86-64")
-    if not native.cpu_has_avx512():
-        pytest.skip("the native build is the AVX2 build here")
-    if not native.cpu_has_avx2():
+    if march == "x86-64-v3" and not native.cpu_has_avx2():
         pytest.skip("an AVX2 build needs a CPU with AVX2 to run")
-    out = out_dir / "libprefixserve_cpu.so"
-    flags = [f for f in native.FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
-    subprocess.run([native._compiler(), *flags, *map(str, native.SOURCES), "-o", str(out), "-lm"], check=True,
+    flags = [f for f in native.FLAGS if f != "-march=native"] + [f"-march={march}"]
+    subprocess.run([native._compiler(), *flags, *map(str, sources), "-o", str(out), "-lm"], check=True,
                    capture_output=True, text=True)
-    return native._load(out)
+    return out
 
+
+def avx2_kernels(out_dir):
+    """The CPU C kernels built for AVX2 + FMA only (-march=x86-64-v3), as on an AVX2-only CPU, loaded: the
+    8-lane paths an AVX-512 build (CI's) never runs. Skips where the native build already is that build."""
+    from kernels.cpu import native
+
+    if native.cpu_has_avx2() and not native.cpu_has_avx512():
+        pytest.skip("the native build is the AVX2 build here")
+    return native._load(build_for("x86-64-v3", native.SOURCES, out_dir / "libprefixserve_cpu.so"))
 
 
 def _triton_usable() -> tuple[bool, str]:

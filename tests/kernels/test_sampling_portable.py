@@ -3,11 +3,10 @@
 references. The engine's build takes the AVX-512 paths wherever the CPU has them, CI's included, so only this
 test runs the others there."""
 import ctypes
-import platform
-import subprocess
 
 import pytest
 import torch
+from kernels_testlib import build_for
 
 from kernels.cpu import native
 from kernels.sampling import race_torch, top_k_top_p_probs_torch
@@ -15,15 +14,7 @@ from kernels.sampling import race_torch, top_k_top_p_probs_torch
 
 @pytest.fixture(scope="module", params=["x86-64-v3", "x86-64"])  # AVX2 + FMA; SSE2 only
 def portable(request, tmp_path_factory):
-    cc = native._compiler()
-    if cc is None or platform.machine() != "x86_64":
-        pytest.skip("needs a C compiler on x86-64")
-    if request.param == "x86-64-v3" and not native.cpu_has_avx2():
-        pytest.skip("an AVX2 build needs a CPU with AVX2 to run")
-    out = tmp_path_factory.mktemp("portable") / "libtop_p.so"
-    flags = [f for f in native.FLAGS if f != "-march=native"] + [f"-march={request.param}"]
-    subprocess.run([cc, *flags, str(native.CSRC / "top_p.c"), "-o", str(out), "-lm"], check=True,
-                   capture_output=True, text=True)
+    out = build_for(request.param, [native.CSRC / "top_p.c"], tmp_path_factory.mktemp("portable") / "libtop_p.so")
     lib = ctypes.CDLL(str(out))
     lib.ps_race.argtypes, lib.ps_race.restype = native.RACE_ARGTYPES, None
     lib.ps_top_k_top_p.argtypes, lib.ps_top_k_top_p.restype = native.TOP_P_ARGTYPES, ctypes.c_int64
