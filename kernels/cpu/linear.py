@@ -78,13 +78,19 @@ def c_kernel_rows(dtype: torch.dtype) -> int:
     - AVX-512 (the lanes kernel), 2-core AMD EPYC Zen 4, lanes / packed oneDNN (results/packed_linear_zen4.json):
       bfloat16 1 row 6.0 / 10.6 ms, 8 rows 6.8 / 12.2, 64 rows 34.9 / 44.2, 1,088 rows 532 / 564; float32
       1 row 13.7 / 20.1, 8 rows 11.4 / 18.8, 64 rows 66 / 79, 1,088 rows 1,113 / 1,094 (a tie): every row
-      count. With AMX, oneDNN's tiles multiply several times faster than AVX-512 once the weight read
-      stops dominating: the lanes kernel keeps 1-64 rows there (where a decode step is the weight read).
+      count.
+    - AVX-512 with AMX, 2-core Intel Xeon (results/packed_linear_amx.json): oneDNN's bfloat16 tiles
+      multiply far faster than vdpbf16ps once a step is more than the weight read: lanes / oneDNN 1 row
+      10.1 / 11.0 ms, 4 rows 15.5 / 10.8, 8 rows 20.4 / 11.0, 64 rows 93 / 17.5 (taking 1-64 rows there
+      had made GSP's bfloat16 decode linears 2.8 s instead of 0.7): 1 row. float32 ties to 64 rows (1 row
+      20.2 / 21.7, 64 rows 67.7 / 71.7) and loses at 1,088 (892 / 801): 1-64 rows.
     - AVX2 only, float32, the row kernel (2-core AMD EPYC): 1 row 20-23 ms vs oneDNN's 21-26, 4 rows
       18-19 vs 25-27, 8 rows 22-26 vs 30-33, 16 rows a tie (39-41 vs 40-46): rows 1-8.
     """
     if has_lanes(dtype):
-        return 64 if cpu_has_amx() else EVERY_ROW
+        if not cpu_has_amx():
+            return EVERY_ROW
+        return 1 if dtype == torch.bfloat16 else 64
     native = native_kernels()
     if dtype == torch.float32 and native is not None and not cpu_has_avx512():
         return 8

@@ -16,8 +16,8 @@ arithmetic per layer, so Python's share shows. Measured on SmolLM2 float32 (AVX-
 direct kernel calls, most of the rest being the weight read.
 
 Linear policy (one place; linear.c_kernel_rows): with AVX-512 the weights are packed at bind into
-the lanes layout of csrc/lanes_linear.c, which takes every row count (CPUs with AMX: 1-64 rows,
-oneDNN's packed copy above); with AVX2 only, oneDNN's packed copy, and the row kernel
+the lanes layout of csrc/lanes_linear.c, which takes every row count (CPUs with AMX: 1-64 float32
+rows, 1 bfloat16 row, oneDNN's packed copy above); with AVX2 only, oneDNN's packed copy, and the row kernel
 (csrc/linear.c) on the plain weight for 1-8 float32 rows (linear.CpuLinearWeight). Unpacked weights
 take the row kernel for 1-16 rows in float32 (1-8 in bfloat16 where the CPU has AVX512-BF16), oneDNN
 for the other float32 row counts (MKL's sgemm takes an AVX2 path on AMD CPUs;

@@ -52,14 +52,14 @@ def test_no_second_form_where_packed_wins_everywhere(monkeypatch):
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("checked", [False, True])
 def test_lanes_for_every_row_count_or_below_oneDNN(monkeypatch, dtype, amx, checked):
-    """AVX-512: the lanes layout alone (every row count), or with AMX up to 64 rows and oneDNN's copy
-    beyond; odd N and K (padding), bias, and the second 8-row pass of the kernel."""
+    """AVX-512: the lanes layout alone (every row count), or with AMX up to 64 float32 rows (1 bfloat16
+    row) and oneDNN's copy beyond; odd N and K (padding), bias, and the second 8-row pass of the kernel."""
     if not has_lanes(dtype):
         pytest.skip(f"no lanes kernel for {dtype} on this CPU")
     import kernels.cpu.linear as linear_mod
 
     monkeypatch.setattr(linear_mod, "cpu_has_amx", lambda: amx)
-    assert c_kernel_rows(dtype) == (64 if amx else EVERY_ROW)
+    assert c_kernel_rows(dtype) == ((64 if dtype == torch.float32 else 1) if amx else EVERY_ROW)
     ops = ops_mod.cpu_ops(dtype, checked=checked)
     torch.manual_seed(3)
     w, b = torch.randn(77, 45, dtype=dtype), torch.randn(77, dtype=dtype)
