@@ -40,7 +40,7 @@ DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"{op}.c" for op in ("paged_attention_decode", "paged_attention_prefill", "store_kv", "linear",
                                              "add_rms_norm", "silu_mul", "rope", "int4_linear", "top_p", "lanes_linear"))
-HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h", CSRC / "flash_item.h")
+HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h", CSRC / "flash_item.h", CSRC / "flash_amx.h")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
@@ -98,6 +98,7 @@ class NativeKernels:
     lanes_f32: ctypes._CFuncPtr | None  # linear on the lanes layout (csrc/lanes_linear.c); None without AVX-512
     lanes_bf16: ctypes._CFuncPtr | None  # ... and without AVX512-BF16
     race: ctypes._CFuncPtr  # sampling's exponential race (csrc/top_p.c)
+    prefill_amx: bool  # bfloat16 prefill (head_dim a multiple of 64) on AMX tiles (csrc/flash_amx.h)
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
     # stack alike. Callers check the dtype with has_dtype first.
@@ -215,7 +216,7 @@ def _load(path: Path) -> NativeKernels:
             fn.argtypes, fn.restype = argtypes, None
             elementwise[f"{op}_{dtype}"] = fn
     for name in ("ps_max_g", "ps_max_d", "ps_max_bs", "ps_linear_max_rows", "ps_linear_bf16_available",
-                 "ps_prefill_max_d", "ps_prefill_d_multiple"):
+                 "ps_prefill_max_d", "ps_prefill_d_multiple", "ps_prefill_on_amx"):
         getattr(lib, name).restype = ctypes.c_int64
     linear_bf16 = lib.ps_linear_bf16 if lib.ps_linear_bf16_available() else None
     lib.ps_store_kv.argtypes, lib.ps_store_kv.restype = STORE_KV_ARGTYPES, ctypes.c_int64
@@ -231,7 +232,8 @@ def _load(path: Path) -> NativeKernels:
         lanes.append(fn if available() else None)
     return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, int4_linear, elementwise,
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
-                         lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes, lib.ps_race)
+                         lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes, lib.ps_race,
+                         bool(lib.ps_prefill_on_amx()))
 
 
 @functools.cache

@@ -147,8 +147,8 @@ def paged_attention_prefill_cpu(
     if t == 0:
         return out
     # The kernel's float32 copy of K and V (widened from bfloat16): each sequence with queries,
-    # rounded up to 16 positions.
-    ws_floats = sum(cdiv(n, 16) * 16 for i, n in enumerate(lens) if qsl[i + 1] > qsl[i]) * 2 * hkv * d
+    # rounded up to 16 positions (32 on AMX tiles, the most any layout takes).
+    ws_floats = sum(cdiv(n, 32) * 32 for i, n in enumerate(lens) if qsl[i + 1] > qsl[i]) * 2 * hkv * d
     ws = (Scratch() if scratch is None else scratch).take(ws_floats)
     table = block_tables.to(torch.int32)
     if table.stride(-1) != 1:
@@ -177,7 +177,8 @@ def _prefill_supported(native: NativeKernels, query, k_cache, v_cache, d: int) -
     # measured 10x slower than torch's flash attention there.
     return (
         query.device.type == "cpu" and (cpu_has_avx512() or cpu_has_avx2())
-        and (query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and not cpu_has_amx()))
+        and (query.dtype == torch.float32
+             or (query.dtype == torch.bfloat16 and (not cpu_has_amx() or (native.prefill_amx and d % 64 == 0))))
         and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         and d <= native.max_prefill_head_dim and d % native.prefill_head_dim_multiple == 0
     )

@@ -4,6 +4,7 @@ Poisoned caches (NaN in every slot past a sequence, padded block tables with a N
 make any read past seq_len show up as NaN in the output.
 """
 import ctypes
+import dataclasses
 import shutil
 
 import pytest
@@ -362,11 +363,12 @@ def test_cpu_prefill_int64_metadata_and_strided_query(native, c_prefill):
 
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float16, 64), (torch.float32, 36)])
 def test_cpu_prefill_falls_back_to_reference(native, monkeypatch, dtype, d):
-    """bfloat16 on an AMX CPU (SDPA's AMX products are faster), float16, and head dims the kernel
-    does not take."""
+    """bfloat16 on an AMX CPU from a library without the AMX item (SDPA's AMX products are faster than
+    the AVX-512 items), float16, and head dims the kernel does not take."""
     import kernels.cpu.paged_attention as mod
 
     monkeypatch.setattr(mod, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(mod, "native_kernels", lambda: dataclasses.replace(native, prefill_amx=False))
     calls = []
     monkeypatch.setattr(mod, "paged_attention_prefill_torch",
                         lambda *a: calls.append(a) or paged_attention_prefill_torch(*a))

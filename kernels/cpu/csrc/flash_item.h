@@ -392,6 +392,12 @@ static void ps_gather_vpairs(const uint16_t *cache, const int32_t *bt_row, int64
 }
 #endif
 
+#define PS_AMX_KEYS 32 /* the AMX item's keys per step, and the multiple its gathered positions pad to */
+#if defined(PS_PF_DP) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PS_PF_AMX 1
+#include "flash_amx.h"
+#endif
+
 /* Positions [p0, p1) of KV head h into the gathered float32 rows dst, one row of D per position
  * (from a float32 or, bf16 = 1, a bfloat16 cache; strides in elements). */
 static inline __attribute__((always_inline)) void ps_gather(const void *cache, const int32_t *bt_row, int64_t p0,

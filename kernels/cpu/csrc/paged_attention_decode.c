@@ -360,7 +360,7 @@ PS_DEFINE_ITEM_AVX2(ps_item_avx_bf16, uint16_t, PS_LOAD8_BF16, ps_store_bf16)
  * state at the first key past the shared part. Only with AVX-512 or AVX2 (the portable flash item is slow)
  * and without a sliding window.
  *
- *     group: members b_0 .. b_n-1 (bt[b_i][0 .. c) equal), nkeys = c BS rounded down to 16
+ *     group: members b_0 .. b_n-1 (bt[b_i][0 .. c) equal), nkeys = c BS rounded down to 16 (32 on AMX)
  *         phase 1: gather keys 0 .. nkeys-1 once per KV head (the first member's block table)
  *         phase 2: items of 32 (member, query head) rows over them, no mask -> state[i][head] (m, l, acc[D])
  *         phase 3: every sequence's item from `start` = its group's nkeys (0 outside groups), init = state
@@ -392,8 +392,8 @@ typedef struct {
  * number and the keys they share (whole blocks before every member's last position, rounded down to
  * 16); group_of[b] is b's group or -1, local[b] its index there. Returns the number of groups. */
 static int64_t ps_plan_shared(const int32_t *bt, const int32_t *lens, int64_t B, int64_t BS, int64_t bt_stride,
-                              int64_t G, int64_t min_rows, int64_t *group_of, int64_t *local, int64_t *order,
-                              ps_group *groups) {
+                              int64_t G, int64_t min_rows, int64_t key_multiple, int64_t *group_of, int64_t *local,
+                              int64_t *order, ps_group *groups) {
     int64_t ng = 0, placed = 0;
     for (int64_t b = 0; b < B; ++b) group_of[b] = -1;
     for (int64_t b = 0; b < B; ++b) {
@@ -408,7 +408,7 @@ static int64_t ps_plan_shared(const int32_t *bt, const int32_t *lens, int64_t B,
         int64_t c = 0;
         for (int same = 1; same && c < limit; c += same)
             for (int64_t i = 1; i < n && same; ++i) same = bt[order[placed + i] * bt_stride + c] == bt[b * bt_stride + c];
-        const int64_t nkeys = c * BS / 16 * 16;
+        const int64_t nkeys = c * BS / key_multiple * key_multiple;
         if (n * G < min_rows || nkeys < PS_SHARED_MIN_KEYS) continue;
         groups[ng] = (ps_group){placed, n, nkeys, 0, 0, 0, 0, 0};
         for (int64_t i = 0; i < n; ++i) {
@@ -435,6 +435,17 @@ static inline int64_t ps_shared_min_rows(int bf16) {
 #endif
 }
 
+/* Whether a call's shared prefixes run on AMX tiles (bfloat16; flash_amx.h), their keys then a multiple of
+ * PS_AMX_KEYS. */
+static inline int ps_shared_amx(int bf16, int64_t D) {
+#ifdef PS_PF_AMX
+    return bf16 && ps_amx_takes(D) && ps_amx_permitted();
+#else
+    (void)bf16, (void)D;
+    return 0;
+#endif
+}
+
 /* Whether a decode call of this shape looks for shared prefixes at all. */
 static inline int ps_shared_applies(int64_t B, int64_t D, int64_t window) {
 #ifdef PS_SHARED_FLASH
@@ -452,8 +463,9 @@ int64_t ps_decode_shared_groups(const int32_t *bt, const int32_t *lens, int64_t 
     if (!ps_shared_applies(B, D, window)) return 0;
     int64_t *ids = malloc(3 * B * sizeof(int64_t));
     ps_group *groups = malloc(B * sizeof(ps_group));
-    int64_t ng = ids && groups ? ps_plan_shared(bt, lens, B, BS, bt_stride, Hq / Hkv, ps_shared_min_rows((int)bf16), ids,
-                                                     ids + B, ids + 2 * B, groups)
+    int64_t ng = ids && groups ? ps_plan_shared(bt, lens, B, BS, bt_stride, Hq / Hkv, ps_shared_min_rows((int)bf16),
+                                                ps_shared_amx((int)bf16, D) ? PS_AMX_KEYS : 16, ids, ids + B, ids + 2 * B,
+                                                groups)
                                     : 0;
     free(ids);
     free(groups);
@@ -469,6 +481,7 @@ int64_t ps_decode_shared_groups(const int32_t *bt, const int32_t *lens, int64_t 
  * was faulted in page by page in some processes (glibc's heap did not keep it), 2.5k faults a call. */
 typedef struct {
     int64_t ng, Hq, chunks, items;
+    int amx; /* the groups run on AMX tiles (flash_amx.h's layout and item) */
     ps_group *groups;
     int64_t *group_of, *local, *order; /* one allocation of 3 B */
     float *ws;    /* every group's gathered keys 0 .. nkeys-1 (flash_item.h's layout, lp = nkeys) */
@@ -495,7 +508,9 @@ static int ps_shared_prepare(ps_shared *sh, const void *q, size_t elem, const in
     if (!sh->group_of || !sh->groups) goto oom;
     sh->local = sh->group_of + B;
     sh->order = sh->group_of + 2 * B;
-    sh->ng = ps_plan_shared(bt, lens, B, BS, bt_stride, G, ps_shared_min_rows(elem == sizeof(uint16_t)), sh->group_of,
+    sh->amx = ps_shared_amx(elem == sizeof(uint16_t), D);
+    sh->ng = ps_plan_shared(bt, lens, B, BS, bt_stride, G, ps_shared_min_rows(elem == sizeof(uint16_t)),
+                            sh->amx ? PS_AMX_KEYS : 16, sh->group_of,
                             sh->local, sh->order, sh->groups);
     if (!sh->ng) {
         ps_shared_free(sh);
@@ -552,6 +567,13 @@ static inline __attribute__((always_inline)) void ps_shared_run(
     for (int64_t w = 0; w < sh->chunks; ++w) {
         const ps_group *gr = sh->groups + ps_group_of_unit(sh, w, 1);
         const int64_t c = w - gr->chunk_at, per_head = gr->nkeys / 16, h = c / per_head, p0 = c % per_head * 16;
+#ifdef PS_PF_AMX
+        if (sh->amx) {
+            ps_gather_chunk_amx(kc, vc, bt + sh->order[gr->first] * bt_stride, p0, p0 + 16, BS, k_sb, k_ss, k_sh, v_sb,
+                                v_ss, v_sh, h, Hkv, D, gr->nkeys, sh->ws + gr->ws_at);
+            continue;
+        }
+#endif
         ps_gather_chunk(kc, vc, bt + sh->order[gr->first] * bt_stride, p0, p0 + 16, BS, k_sb, k_ss, k_sh, v_sb, v_ss,
                         v_sh, h, Hkv, D, gr->nkeys, sh->ws + gr->ws_at, bf16);
     }
@@ -563,6 +585,15 @@ static inline __attribute__((always_inline)) void ps_shared_run(
         const float *base = sh->ws + gr->ws_at;
         const char *qg = sh->qbuf + gr->q_at * elem;
         float *st = sh->state + gr->state_at;
+#ifdef PS_PF_AMX
+        if (sh->amx) {
+            const uint16_t *Kb = (const uint16_t *)base + h * lp * D;
+            const uint16_t *VT = (const uint16_t *)(base + Hkv * lp * D) + h * lp * D;
+            ps_prefill_amx((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, VT, lp, lp, r0, gr->n * G, G, h,
+                           D, scale, lp, st);
+            continue;
+        }
+#endif
 #ifdef PS_PF_DP
         if (bf16) {
             const uint16_t *Kb = (const uint16_t *)base + h * lp * D;

@@ -62,7 +62,8 @@ static int64_t ps_owner(const int64_t *starts, int64_t n, int64_t w) {
  * (computing nothing) when a block id covering [0, lens[s]) of a sequence with queries is outside
  * [0, NB), 2 when the workspace is too small (or no memory), 3 when a sequence has more queries
  * than positions. Sequences without queries are not read at all. ws must
- * hold sum_s roundup(lens[s], 16) * 2 * Hkv * D floats over the sequences with queries. */
+ * hold sum_s roundup(lens[s], 16) * 2 * Hkv * D floats over the sequences with queries (roundup to 32
+ * where bfloat16 runs on AMX tiles: ps_prefill_on_amx). */
 static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, const int32_t *bt,
                                 const int32_t *lens, const int32_t *qsl, void *out, float *ws, int64_t ws_floats,
                                 int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t bt_stride,
@@ -71,6 +72,12 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
                                 int nthreads, const int bf16) {
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t G = Hq / Hkv;
+#ifdef PS_PF_AMX
+    const int amx = bf16 && ps_amx_takes(D) && ps_amx_permitted();
+#else
+    const int amx = 0;
+#endif
+    const int64_t align = amx ? 32 : 16; /* gathered positions per head: a multiple of this */
     int64_t *len = malloc(4 * (S + 1) * sizeof(int64_t)); /* positions read (0: no queries) */
     if (!len) return 2;
     /* prefix sums: ws offset of each sequence, gather chunks (16 positions of one head), items */
@@ -82,7 +89,7 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
         len[s] = ql > 0 ? lens[s] : 0;
         if (ql > lens[s]) err = 3;
         else if (ql > 0 && ps_bad_block_ids(bt + s * bt_stride, lens + s, 1, BS, bt_stride, NB)) err = 1;
-        const int64_t lp = (len[s] + 15) / 16 * 16;
+        const int64_t lp = (len[s] + align - 1) / align * align;
         kv_at[s + 1] = kv_at[s] + lp * 2 * Hkv * D;
         chunk_at[s + 1] = chunk_at[s] + Hkv * (lp / 16);
         item_at[s + 1] = item_at[s] + Hkv * ((ql * G + PS_PF_ROWS - 1) / PS_PF_ROWS);
@@ -96,9 +103,16 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
     {
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < chunk_at[S]; ++w) {
-            const int64_t s = ps_owner(chunk_at, S, w), c = w - chunk_at[s], lp = (len[s] + 15) / 16 * 16;
+            const int64_t s = ps_owner(chunk_at, S, w), c = w - chunk_at[s], lp = (len[s] + align - 1) / align * align;
             const int64_t h = c / (lp / 16), p0 = c % (lp / 16) * 16;
             const int64_t p1 = p0 + 16 < len[s] ? p0 + 16 : len[s];
+#ifdef PS_PF_AMX
+            if (amx) {
+                ps_gather_chunk_amx(kc, vc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, h, Hkv,
+                                    D, lp, ws + kv_at[s]);
+                continue;
+            }
+#endif
             ps_gather_chunk(kc, vc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, h, Hkv, D, lp,
                             ws + kv_at[s], bf16);
         }
@@ -108,10 +122,19 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
             const int64_t s = ps_owner(item_at, S, w), ql = qsl[s + 1] - qsl[s];
             const int64_t groups = (ql * G + PS_PF_ROWS - 1) / PS_PF_ROWS, c = w - item_at[s];
             const int64_t h = c / groups, r0 = (groups - 1 - c % groups) * PS_PF_ROWS;
-            const int64_t lp = (len[s] + 15) / 16 * 16;
+            const int64_t lp = (len[s] + align - 1) / align * align;
             const float *Kh = ws + kv_at[s] + h * lp * D, *Vh = Kh + Hkv * lp * D;
             const void *qs = (const char *)q + (int64_t)qsl[s] * q_st * elem;
             void *os = (char *)out + (int64_t)qsl[s] * o_st * elem;
+#ifdef PS_PF_AMX
+            if (amx) {
+                const uint16_t *Kb = (const uint16_t *)(ws + kv_at[s]) + h * lp * D;
+                const uint16_t *VT = (const uint16_t *)(ws + kv_at[s] + Hkv * lp * D) + h * lp * D;
+                ps_prefill_amx((const uint16_t *)qs, q_st, q_sh, (uint16_t *)os, o_st, o_sh, Kb, VT, lp, len[s] - ql, r0,
+                               ql * G, G, h, D, scale, INT64_MAX, NULL);
+                continue;
+            }
+#endif
 #ifdef PS_PF_DP
             if (bf16) {
                 const uint16_t *Kb = (const uint16_t *)(ws + kv_at[s]) + h * lp * D;
@@ -151,3 +174,11 @@ int64_t ps_paged_prefill_bf16(const uint16_t *q, const uint16_t *kc, const uint1
 /* The launcher's limits: head_dim a multiple of PS_PF_DB, at most PS_PF_MAX_D. */
 int64_t ps_prefill_max_d(void) { return PS_PF_MAX_D; }
 int64_t ps_prefill_d_multiple(void) { return PS_PF_DB; }
+/* 1 when bfloat16 prefill runs on AMX tiles here (head_dim a multiple of 64; the process may use them). */
+int64_t ps_prefill_on_amx(void) {
+#ifdef PS_PF_AMX
+    return ps_amx_permitted();
+#else
+    return 0;
+#endif
+}

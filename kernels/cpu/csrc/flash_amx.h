@@ -1,0 +1,243 @@
+/* The bfloat16 flash-attention item on AMX tiles (Intel Xeon 4th gen on): flash_item.h's item with both
+ * products as tile multiplies, the softmax in AVX-512 between them. Included by flash_item.h.
+ *
+ * Why: on the 2-core Intel Xeon with AMX this project measures on, vdpbf16ps issues every second cycle
+ * (1.3 G/s against 5.0 G/s for 512-bit FMAs, /tmp microbenchmark), so ps_prefill_item_dp ran no faster
+ * than the float32 item, while one tile multiply (16 x 16 outputs over 32 bfloat16 products) does 8,192
+ * multiply-adds.
+ *
+ * One item: rows r0 .. r0+31 (2 blocks of 16 lanes, as ps_prefill_item_dp), keys in steps of 32:
+ *
+ *     S^T[t][r]  = sum_d K[k0 + t][d] Q[r][d]         A = K rows (16 keys x 32 d), B = Q as d pairs
+ *                                                      (16 pairs x 16 rows): C = 16 keys x 16 rows
+ *     softmax on S^T as lanes = rows (flash_item.h), P^T as key pairs (lane r: p[r][2u], p[r][2u+1])
+ *     O^T[d][r] += sum_t V^T[d][k0 + t] P[r][t]         A = V^T (16 d x 32 keys), B = P^T pairs
+ *                                                      (16 pairs x 16 rows): C = 16 d x 16 rows
+ *
+ * so the float32 running output ot[d] keeps flash_item.h's layout (lane = row) and is rescaled there:
+ * ot = alpha ot + C. Tiles: 0-3 accumulate (S^T of 2 key halves x 2 row blocks, then O^T of 4 d
+ * blocks), 4-5 hold A, 6-7 B. The gathered keys are K position rows as ps_prefill_item_dp's, V
+ * transposed (ps_gather_vt): lp, the positions gathered per head, is a multiple of 32 and pads with
+ * zeros, so every tile load stays inside its head. Masked scores are -inf before the exp, so padding
+ * keys weigh 0. The probabilities round to bfloat16 before P.V, as in ps_prefill_item_dp. */
+#ifndef PS_FLASH_AMX_H
+#define PS_FLASH_AMX_H
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ps_tilecfg;
+
+/* Linux gives a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA); asking again is a no-op. 1 when granted. */
+static inline int ps_amx_permitted(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+/* Eight tiles of 16 rows x 64 bytes, on this thread. */
+static inline void ps_amx_configure(void) {
+    ps_tilecfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Whether the AMX item takes a call with head_dim D (4 d blocks of 16 per O^T pass, pairs of 32 d per
+ * S^T multiply). */
+static inline int ps_amx_takes(int64_t D) { return D % 64 == 0 && D <= PS_PF_MAX_D; }
+
+/* Positions [p0, p1) of KV head h of a bfloat16 cache transposed into dst (D rows of lp positions;
+ * p0 a multiple of 16), positions p1 .. p0 + 15 zero. */
+static void ps_gather_vt(const uint16_t *cache, const int32_t *bt_row, int64_t p0, int64_t p1, int64_t BS,
+                         int64_t c_sb, int64_t c_ss, int64_t c_sh, int64_t h, int64_t D, int64_t lp, uint16_t *dst) {
+    uint16_t rows[16][PS_PF_MAX_D];
+    for (int64_t p = p0; p < p0 + 16; ++p) {
+        if (p < p1) memcpy(rows[p - p0], cache + (int64_t)bt_row[p / BS] * c_sb + (p % BS) * c_ss + h * c_sh,
+                           (size_t)D * sizeof(uint16_t));
+        else memset(rows[p - p0], 0, (size_t)D * sizeof(uint16_t));
+    }
+    for (int64_t d = 0; d < D; ++d)
+        for (int t = 0; t < 16; ++t) dst[d * lp + p0 + t] = rows[t][d];
+}
+
+/* Positions [p0, min(p1, p0 + 16)) of KV head h into the AMX item's layout at base (lp positions of Hkv
+ * heads, zero past p1): K head h at (uint16_t *)base + h lp D as position rows, V^T head h at
+ * (uint16_t *)(base + Hkv lp D) + h lp D. The bytes ps_gather_chunk's layouts take. */
+static inline void ps_gather_chunk_amx(const uint16_t *kc, const uint16_t *vc, const int32_t *bt_row, int64_t p0,
+                                       int64_t p1, int64_t BS, int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb,
+                                       int64_t v_ss, int64_t v_sh, int64_t h, int64_t Hkv, int64_t D, int64_t lp,
+                                       float *base) {
+    uint16_t *Kb = (uint16_t *)base + h * lp * D, *VT = (uint16_t *)(base + Hkv * lp * D) + h * lp * D;
+    p1 = p1 < p0 ? p0 : p1;
+    for (int64_t p = p0; p < p1; ++p)
+        memcpy(Kb + p * D, kc + (int64_t)bt_row[p / BS] * k_sb + (p % BS) * k_ss + h * k_sh, (size_t)D * sizeof(uint16_t));
+    memset(Kb + p1 * D, 0, (size_t)((p0 + 16 - p1) * D) * sizeof(uint16_t));
+    ps_gather_vt(vc, bt_row, p0, p1, BS, v_sb, v_ss, v_sh, h, D, lp, VT);
+}
+
+/* The item (see above). q / out as ps_prefill_item_dp; K: lp x D bfloat16 position rows, VT: D x lp;
+ * nv: the 16-row blocks with real rows (1 or 2), a constant in each copy. */
+static inline __attribute__((always_inline)) void ps_prefill_item_amx(
+    const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
+    const int64_t o_sh, const uint16_t *restrict K, const uint16_t *restrict VT, const int64_t lp, const int64_t offset,
+    const int64_t r0, const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale,
+    const int64_t kmax, float *restrict state, const int nv) {
+    uint32_t qp[PS_PF_NV][PS_PF_MAX_D / 2][16] __attribute__((aligned(64))); /* B of S^T: lane r = q[r][2i], q[r][2i+1] */
+    float sb[PS_PF_NV][PS_AMX_KEYS][16] __attribute__((aligned(64)));       /* S^T of a step */
+    uint32_t pb[PS_PF_NV][PS_AMX_KEYS / 2][16] __attribute__((aligned(64))); /* B of O^T: lane r = p[r][2u], p[r][2u+1] */
+    float ob[4][16][16] __attribute__((aligned(64)));                       /* O^T of a step, 4 d blocks */
+    __m512 ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
+    int64_t row_o[PS_PF_ROWS];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512i interleave; /* as in ps_prefill_item_dp */
+    {
+        uint16_t idx[32];
+        for (int i = 0; i < 32; ++i) idx[i] = (uint16_t)(i % 2 ? 16 + i / 2 : i / 2);
+        interleave = _mm512_loadu_si512(idx);
+    }
+    for (int j = 0; j < nv; ++j) {
+        float pj[16];
+        for (int l = 0; l < 16; ++l) {
+            const int64_t r0l = r0 + 16 * j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
+            pj[l] = (float)(offset + qi);
+            row_o[16 * j + l] = qi * o_st + k * o_sh;
+            const uint16_t *qr = q + qi * q_st + k * q_sh;
+            for (int64_t i = 0; i < D / 2; ++i) qp[j][i][l] = (uint32_t)qr[2 * i] | (uint32_t)qr[2 * i + 1] << 16;
+        }
+        pos[j] = _mm512_loadu_ps(pj);
+        m[j] = _mm512_set1_ps(-INFINITY);
+        lsum[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) ot[d][j] = _mm512_setzero_ps();
+    }
+    ps_amx_configure();
+    const int64_t last = r0 + 16 * nv - 1 < nrows ? r0 + 16 * nv - 1 : nrows - 1;
+    const int64_t first_pos = offset + r0 / G, kseen = offset + last / G + 1, kend = kseen < kmax ? kseen : kmax;
+    for (int64_t k0 = 0; k0 < kend; k0 += PS_AMX_KEYS) {
+        /* S^T: tile 2 kh + j for key half kh, row block j */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t dc = 0; dc < D; dc += 32) {
+            _tile_loadd(4, K + k0 * D + dc, 2 * D);
+            _tile_loadd(5, K + (k0 + 16) * D + dc, 2 * D);
+            _tile_loadd(6, qp[0][dc / 2], 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (nv > 1) {
+                _tile_loadd(7, qp[1][dc / 2], 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, sb[0][0], 64);
+        _tile_stored(2, sb[0][16], 64);
+        if (nv > 1) {
+            _tile_stored(1, sb[1][0], 64);
+            _tile_stored(3, sb[1][16], 64);
+        }
+        __m512 alpha[PS_PF_NV];
+        const int masked = k0 + PS_AMX_KEYS - 1 > first_pos || k0 + PS_AMX_KEYS > kend;
+        for (int j = 0; j < nv; ++j) {
+            __m512 s[PS_AMX_KEYS];
+            for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = _mm512_load_ps(sb[j][t]);
+            if (masked) /* past a lane's position, or past the keys read */
+                for (int t = 0; t < PS_AMX_KEYS; ++t) {
+                    const __mmask16 keep = k0 + t < kend ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + t)), pos[j],
+                                                                              _CMP_LE_OQ)
+                                                         : 0;
+                    s[t] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s[t]);
+                }
+            __m512 mt = s[0];
+            for (int t = 1; t < PS_AMX_KEYS; ++t) mt = _mm512_max_ps(mt, s[t]);
+            const __m512 mnew = _mm512_max_ps(m[j], _mm512_mul_ps(mt, vscale)); /* finite: key 0 is in every first step */
+            alpha[j] = ps_exp16(_mm512_sub_ps(m[j], mnew));
+            lsum[j] = _mm512_mul_ps(lsum[j], alpha[j]);
+            for (int t = 0; t < PS_AMX_KEYS; ++t) {
+                s[t] = ps_exp16(_mm512_fmsub_ps(s[t], vscale, mnew));
+                lsum[j] = _mm512_add_ps(lsum[j], s[t]);
+            }
+            for (int u = 0; u < PS_AMX_KEYS / 2; ++u)
+                _mm512_store_si512(pb[j][u], _mm512_permutexvar_epi16(
+                                                 interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * u + 1], s[2 * u])));
+            m[j] = mnew;
+        }
+        /* O^T, 4 d blocks of 16 at a time per row block */
+        for (int j = 0; j < nv; ++j) {
+            _tile_loadd(6, pb[j], 64);
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const uint16_t *vt = VT + d0 * lp + k0;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_loadd(4, vt, 2 * lp);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(5, vt + 16 * lp, 2 * lp);
+                _tile_dpbf16ps(1, 5, 6);
+                _tile_loadd(4, vt + 32 * lp, 2 * lp);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(5, vt + 48 * lp, 2 * lp);
+                _tile_dpbf16ps(3, 5, 6);
+                _tile_stored(0, ob[0], 64);
+                _tile_stored(1, ob[1], 64);
+                _tile_stored(2, ob[2], 64);
+                _tile_stored(3, ob[3], 64);
+                for (int b = 0; b < 4; ++b)
+                    for (int d = 0; d < 16; ++d)
+                        ot[d0 + 16 * b + d][j] = _mm512_fmadd_ps(ot[d0 + 16 * b + d][j], alpha[j], _mm512_load_ps(ob[b][d]));
+            }
+        }
+    }
+    _tile_release();
+    for (int j = 0; j < nv; ++j) {
+        if (state) { /* the softmax state, as in ps_prefill_item */
+            float mj[16], lj[16], ov[16];
+            _mm512_storeu_ps(mj, m[j]);
+            _mm512_storeu_ps(lj, lsum[j]);
+            for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) {
+                state[row_o[16 * j + l]] = mj[l];
+                state[row_o[16 * j + l] + 1] = lj[l];
+            }
+            for (int64_t d = 0; d < D; ++d) {
+                _mm512_storeu_ps(ov, ot[d][j]);
+                for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) state[row_o[16 * j + l] + 2 + d] = ov[l];
+            }
+            continue;
+        }
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), lsum[j]);
+        float ov[16];
+        for (int64_t d = 0; d < D; ++d) {
+            _mm512_storeu_ps(ov, _mm512_mul_ps(ot[d][j], inv));
+            for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) out[row_o[16 * j + l] + d] = ps_f32_to_bf16(ov[l]);
+        }
+    }
+}
+
+/* The item for rows r0 .. of nrows, its copies for 1 or 2 row blocks and head_dim 64 (SmolLM2, Llama,
+ * Qwen2) or any D ps_amx_takes. */
+static inline __attribute__((always_inline)) void ps_prefill_amx(
+    const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
+    const int64_t o_sh, const uint16_t *restrict K, const uint16_t *restrict VT, const int64_t lp, const int64_t offset,
+    const int64_t r0, const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale,
+    const int64_t kmax, float *restrict state) {
+#define PS_AMX_CALL(D_, NV) \
+    ps_prefill_item_amx(q, q_st, q_sh, out, o_st, o_sh, K, VT, lp, offset, r0, nrows, G, h, D_, scale, kmax, state, NV)
+    const int two = nrows - r0 > 16;
+    if (D == 64) {
+        if (two) PS_AMX_CALL(64, 2);
+        else PS_AMX_CALL(64, 1);
+    } else {
+        if (two) PS_AMX_CALL(D, 2);
+        else PS_AMX_CALL(D, 1);
+    }
+#undef PS_AMX_CALL
+}
+#endif
