@@ -49,22 +49,63 @@ static inline void ps_amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* 2^t in float32 to about 1e-4 relative (a degree-3 minimax polynomial on [-1/2, 1/2]): the item's
+ * probabilities round to bfloat16 (2^-9) before P.V, so ps_exp16's degree 6 bought nothing there, and the
+ * exp was the item's largest cost (per 32 keys x 32 rows on the 2-core Xeon: 2,736 cycles, 1,788 without
+ * it). t = -inf (a masked key) gives 2^-125, no denormal (those take microcode assists). */
+static inline __m512 ps_exp2_bf16(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-125.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05500893f), f, _mm512_set1_ps(0.24221098f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69328293f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* Whether the AMX item takes a call with head_dim D (4 d blocks of 16 per O^T pass, pairs of 32 d per
  * S^T multiply). */
 static inline int ps_amx_takes(int64_t D) { return D % 64 == 0 && D <= PS_PF_MAX_D; }
 
+/* dst[c * ld + r] = row r's element c, for a 16 x 16 block of 16-bit elements (rows[r]: 16 elements
+ * each): unpacks of 16-, 32- and 64-bit units within 128-bit lanes, then the lanes' halves swapped. */
+static inline void ps_transpose16_epi16(const uint16_t *const rows[16], uint16_t *dst, int64_t ld) {
+    __m256i a[16], b[16];
+    for (int r = 0; r < 16; ++r) a[r] = _mm256_loadu_si256((const __m256i *)rows[r]);
+    for (int r = 0; r < 16; r += 2) { /* (r, r+1) pairs of columns 0-3 | 8-11, 4-7 | 12-15 */
+        b[r] = _mm256_unpacklo_epi16(a[r], a[r + 1]);
+        b[r + 1] = _mm256_unpackhi_epi16(a[r], a[r + 1]);
+    }
+    for (int r = 0; r < 16; r += 4) /* rows r .. r+3 of columns {0,1 | 8,9}, {2,3 | 10,11}, {4,5 | ..}, {6,7 | ..} */
+        for (int h = 0; h < 2; ++h) {
+            a[r + 2 * h] = _mm256_unpacklo_epi32(b[r + h], b[r + 2 + h]);
+            a[r + 2 * h + 1] = _mm256_unpackhi_epi32(b[r + h], b[r + 2 + h]);
+        }
+    /* a[4g + i]: rows 4g .. 4g+3, columns {2i, 2i+1 | 2i+8, 2i+9} (i = 0..3) */
+    for (int g = 0; g < 4; g += 2) /* rows 8 (g/2) .. +7: column c | c+8 in b[8 (g/2) + c] */
+        for (int i = 0; i < 4; ++i) {
+            b[4 * g + 2 * i] = _mm256_unpacklo_epi64(a[4 * g + i], a[4 * g + 4 + i]);
+            b[4 * g + 2 * i + 1] = _mm256_unpackhi_epi64(a[4 * g + i], a[4 * g + 4 + i]);
+        }
+    for (int c = 0; c < 8; ++c) {
+        _mm256_storeu_si256((__m256i *)(dst + c * ld), _mm256_permute2x128_si256(b[c], b[8 + c], 0x20));
+        _mm256_storeu_si256((__m256i *)(dst + (c + 8) * ld), _mm256_permute2x128_si256(b[c], b[8 + c], 0x31));
+    }
+}
+
 /* Positions [p0, p1) of KV head h of a bfloat16 cache transposed into dst (D rows of lp positions;
- * p0 a multiple of 16), positions p1 .. p0 + 15 zero. */
+ * p0 a multiple of 16, D of 16), positions p1 .. p0 + 15 zero. */
 static void ps_gather_vt(const uint16_t *cache, const int32_t *bt_row, int64_t p0, int64_t p1, int64_t BS,
                          int64_t c_sb, int64_t c_ss, int64_t c_sh, int64_t h, int64_t D, int64_t lp, uint16_t *dst) {
-    uint16_t rows[16][PS_PF_MAX_D];
-    for (int64_t p = p0; p < p0 + 16; ++p) {
-        if (p < p1) memcpy(rows[p - p0], cache + (int64_t)bt_row[p / BS] * c_sb + (p % BS) * c_ss + h * c_sh,
-                           (size_t)D * sizeof(uint16_t));
-        else memset(rows[p - p0], 0, (size_t)D * sizeof(uint16_t));
+    static const uint16_t zeros[PS_PF_MAX_D];
+    const uint16_t *rows[16];
+    for (int64_t p = p0; p < p0 + 16; ++p)
+        rows[p - p0] = p < p1 ? cache + (int64_t)bt_row[p / BS] * c_sb + (p % BS) * c_ss + h * c_sh : zeros;
+    for (int64_t d = 0; d < D; d += 16) {
+        const uint16_t *block[16];
+        for (int t = 0; t < 16; ++t) block[t] = rows[t] + d;
+        ps_transpose16_epi16(block, dst + d * lp + p0, lp);
     }
-    for (int64_t d = 0; d < D; ++d)
-        for (int t = 0; t < 16; ++t) dst[d * lp + p0 + t] = rows[t][d];
 }
 
 /* Positions [p0, min(p1, p0 + 16)) of KV head h into the AMX item's layout at base (lp positions of Hkv
@@ -95,7 +136,7 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
     float ob[4][16][16] __attribute__((aligned(64)));                       /* O^T of a step, 4 d blocks */
     __m512 ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
     int64_t row_o[PS_PF_ROWS];
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f); /* m and the exps in base 2 */
     __m512i interleave; /* as in ps_prefill_item_dp */
     {
         uint16_t idx[32];
@@ -158,10 +199,10 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
             __m512 mt = s[0];
             for (int t = 1; t < PS_AMX_KEYS; ++t) mt = _mm512_max_ps(mt, s[t]);
             const __m512 mnew = _mm512_max_ps(m[j], _mm512_mul_ps(mt, vscale)); /* finite: key 0 is in every first step */
-            alpha[j] = ps_exp16(_mm512_sub_ps(m[j], mnew));
+            alpha[j] = ps_exp2_bf16(_mm512_sub_ps(m[j], mnew));
             lsum[j] = _mm512_mul_ps(lsum[j], alpha[j]);
             for (int t = 0; t < PS_AMX_KEYS; ++t) {
-                s[t] = ps_exp16(_mm512_fmsub_ps(s[t], vscale, mnew));
+                s[t] = ps_exp2_bf16(_mm512_fmsub_ps(s[t], vscale, mnew));
                 lsum[j] = _mm512_add_ps(lsum[j], s[t]);
             }
             for (int u = 0; u < PS_AMX_KEYS / 2; ++u)
@@ -200,7 +241,7 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
     for (int j = 0; j < nv; ++j) {
         if (state) { /* the softmax state, as in ps_prefill_item */
             float mj[16], lj[16], ov[16];
-            _mm512_storeu_ps(mj, m[j]);
+            _mm512_storeu_ps(mj, _mm512_mul_ps(m[j], _mm512_set1_ps(0.693147180559945309f))); /* natural units */
             _mm512_storeu_ps(lj, lsum[j]);
             for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) {
                 state[row_o[16 * j + l]] = mj[l];
