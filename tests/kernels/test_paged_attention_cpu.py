@@ -99,7 +99,7 @@ def test_shared_prefix_batches_run_in_the_c_kernel(native, monkeypatch):
     torch.testing.assert_close(out, ref)
 
 
-def _shared_prefix_case(g, d, bs, dtype, members, seed=0):
+def _shared_prefix_case(g, d, bs, dtype, members, seed=0, growth=0.0):
     """A poisoned pool where `members` sequences start with the same 11 blocks (half of them the same
     14), 3 share 4 other blocks, and 2 share nothing; each has its own tail of 1-40 tokens. Returns (k_cache, v_cache,
     block_tables, seq_lens, query, naive float64 output)."""
@@ -123,7 +123,9 @@ def _shared_prefix_case(g, d, bs, dtype, members, seed=0):
         for j, blk in enumerate(table):
             if blk not in keys:
                 rows = min(bs, n - j * bs)
-                keys[blk] = (torch.randn((rows, HKV, d), generator=gen), torch.randn((rows, HKV, d), generator=gen))
+                # growth: K rows scaled up along positions, so later keys raise the running max
+                grow = 1 + growth * torch.arange(j * bs, j * bs + rows, dtype=torch.float32)[:, None, None]
+                keys[blk] = (torch.randn((rows, HKV, d), generator=gen) * grow, torch.randn((rows, HKV, d), generator=gen))
                 k[blk, :rows], v[blk, :rows] = keys[blk]
     k, v = k.to(dtype), v.to(dtype)
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -135,6 +137,16 @@ def _shared_prefix_case(g, d, bs, dtype, members, seed=0):
         vs = torch.cat([v[blk, :min(bs, n - j * bs)] for j, blk in enumerate(table)])
         naive[s] = naive_attention(query[s:s + 1], ks, vs, d**-0.5, [n - 1])[0]
     return k, v, block_tables, seq_lens, query, naive
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefix_with_scores_growing_along_the_keys(native, dtype):
+    """Keys that grow along the prefix raise each row's max on later steps: the items' rescaling of what
+    they summed before (on AMX, of the output tiles) is exercised, not only their first step."""
+    members = 8 if dtype == torch.bfloat16 else 48
+    k, v, tables, lens, query, naive = _shared_prefix_case(3, 64, 16, dtype, members, seed=5, growth=0.05)
+    out = paged_attention_decode_cpu(query, k, v, tables, lens, 64**-0.5, scratch=Scratch())
+    torch.testing.assert_close(out.double(), naive, **TOL[dtype])
 
 
 def _shared_groups(native, block_tables, seq_lens, hq, d, bs, dtype, window=0) -> int:
@@ -335,6 +347,23 @@ def _bf16_prefill_bound(naive, kv, layer):
     if _native.cpu_has_bf16_pairs():
         bound = bound + 2.0**-9 * max(float(v[layer].abs().max()) for v in kv.v if v[layer].numel())
     return bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prefill_with_scores_growing_along_the_keys(native, kernel_only, dtype):
+    """As test_shared_prefix_with_scores_growing_along_the_keys, for prefill: later keys raise the
+    running max after the first steps of every item."""
+    kv, query, qsl = _prefill_case([(70, 70), (33, 130), (5, 200)], HKV, 3, 64, 16, dtype=dtype, seed=11)
+    for s, n in enumerate(kv.seq_lens):
+        grow = (1 + 0.05 * torch.arange(n, dtype=torch.float32))[None, :, None, None]
+        kv.k[s] = (kv.k[s].float() * grow).to(dtype)
+        for p in range(n):
+            kv.kv_cache[:, 0, kv.tables[s][p // 16], p % 16] = kv.k[s][:, p]
+    out = paged_attention_prefill_cpu(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, qsl, 0.125)
+    naive = _naive_prefill(kv, query, qsl, 0.125)
+    torch.testing.assert_close(out.double(), naive, **TOL[dtype])
+    if dtype == torch.bfloat16:
+        assert ((out.double() - naive).abs() <= _bf16_prefill_bound(naive, kv, 0)).all()
 
 
 @pytest.mark.parametrize("seed", range(6))

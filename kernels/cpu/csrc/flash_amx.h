@@ -2,7 +2,7 @@
  * products as tile multiplies, the softmax in AVX-512 between them. Included by flash_item.h.
  *
  * Why: on the 2-core Intel Xeon with AMX this project measures on, vdpbf16ps issues every second cycle
- * (1.3 G/s against 5.0 G/s for 512-bit FMAs, /tmp microbenchmark), so ps_prefill_item_dp ran no faster
+ * (1.3 G/s against 5.0 G/s for 512-bit FMAs: 20 independent accumulators on one core), so ps_prefill_item_dp ran no faster
  * than the float32 item, while one tile multiply (16 x 16 outputs over 32 bfloat16 products) does 8,192
  * multiply-adds.
  *
@@ -19,7 +19,7 @@
  * blocks), 4-5 hold A, 6-7 B. The gathered keys are K position rows as ps_prefill_item_dp's, V
  * transposed (ps_gather_vt): lp, the positions gathered per head, is a multiple of 32 and pads with
  * zeros, so every tile load stays inside its head. Masked scores are -inf before the exp, so padding
- * keys weigh 0. The probabilities round to bfloat16 before P.V, as in ps_prefill_item_dp. */
+ * keys weigh 2^-125 of a zero V row. The probabilities round to bfloat16 before P.V, as in ps_prefill_item_dp. */
 #ifndef PS_FLASH_AMX_H
 #define PS_FLASH_AMX_H
 #include <sys/syscall.h>
@@ -196,15 +196,18 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
                                                          : 0;
                     s[t] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s[t]);
                 }
-            __m512 mt = s[0];
-            for (int t = 1; t < PS_AMX_KEYS; ++t) mt = _mm512_max_ps(mt, s[t]);
-            const __m512 mnew = _mm512_max_ps(m[j], _mm512_mul_ps(mt, vscale)); /* finite: key 0 is in every first step */
+            /* max and sum over the 32 keys as trees: a chain of 31 dependent ops was ~130 cycles of latency */
+            __m512 tr[PS_AMX_KEYS / 2];
+            for (int i = 0; i < PS_AMX_KEYS / 2; ++i) tr[i] = _mm512_max_ps(s[i], s[i + PS_AMX_KEYS / 2]);
+            for (int w = PS_AMX_KEYS / 4; w; w /= 2)
+                for (int i = 0; i < w; ++i) tr[i] = _mm512_max_ps(tr[i], tr[i + w]);
+            const __m512 mnew = _mm512_max_ps(m[j], _mm512_mul_ps(tr[0], vscale)); /* finite: key 0 is in every first step */
             alpha[j] = ps_exp2_bf16(_mm512_sub_ps(m[j], mnew));
-            lsum[j] = _mm512_mul_ps(lsum[j], alpha[j]);
-            for (int t = 0; t < PS_AMX_KEYS; ++t) {
-                s[t] = ps_exp2_bf16(_mm512_fmsub_ps(s[t], vscale, mnew));
-                lsum[j] = _mm512_add_ps(lsum[j], s[t]);
-            }
+            for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = ps_exp2_bf16(_mm512_fmsub_ps(s[t], vscale, mnew));
+            for (int i = 0; i < PS_AMX_KEYS / 2; ++i) tr[i] = _mm512_add_ps(s[i], s[i + PS_AMX_KEYS / 2]);
+            for (int w = PS_AMX_KEYS / 4; w; w /= 2)
+                for (int i = 0; i < w; ++i) tr[i] = _mm512_add_ps(tr[i], tr[i + w]);
+            lsum[j] = _mm512_fmadd_ps(lsum[j], alpha[j], tr[0]);
             for (int u = 0; u < PS_AMX_KEYS / 2; ++u)
                 _mm512_store_si512(pb[j][u], _mm512_permutexvar_epi16(
                                                  interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * u + 1], s[2 * u])));
@@ -262,6 +265,135 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
     }
 }
 
+/* head_dim 64: an item of 16 rows whose output O^T stays in tiles 0-3 for all its keys. The running
+ * max a row's exps subtract moves only when a step's max passes it by more than PS_AMX_SLACK (in
+ * base 2): the probabilities then stay below 2^PS_AMX_SLACK, and the tiles are rescaled (stored,
+ * multiplied, loaded) only on those steps, the first few. ps_prefill_item_amx instead adds each
+ * step's O^T into float32 vectors (alpha ot + C), 64 loads and FMAs a row block per step. Tiles: 0-3
+ * O^T, 4-5 S^T of the step's key halves, 6 A (K or V^T), 7 B (Q or P^T pairs). */
+#define PS_AMX_SLACK 8.0f
+static inline __attribute__((always_inline)) void ps_prefill_item_amx64(
+    const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
+    const int64_t o_sh, const uint16_t *restrict K, const uint16_t *restrict VT, const int64_t lp, const int64_t offset,
+    const int64_t r0, const int64_t nrows, const int64_t G, const int64_t h, const float scale, const int64_t kmax,
+    float *restrict state) {
+    enum { D = 64 };
+    uint32_t qp[D / 2][16] __attribute__((aligned(64)));
+    float sb[PS_AMX_KEYS][16] __attribute__((aligned(64)));
+    uint32_t pb[PS_AMX_KEYS / 2][16] __attribute__((aligned(64)));
+    float ob[D][16] __attribute__((aligned(64))); /* O^T: row d, lane = query row */
+    int64_t row_o[16];
+    const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);
+    __m512i interleave;
+    {
+        uint16_t idx[32];
+        for (int i = 0; i < 32; ++i) idx[i] = (uint16_t)(i % 2 ? 16 + i / 2 : i / 2);
+        interleave = _mm512_loadu_si512(idx);
+    }
+    float pj[16];
+    for (int l = 0; l < 16; ++l) {
+        const int64_t r = r0 + l < nrows ? r0 + l : nrows - 1, qi = r / G, k = h * G + r % G;
+        pj[l] = (float)(offset + qi);
+        row_o[l] = qi * o_st + k * o_sh;
+        const uint16_t *qr = q + qi * q_st + k * q_sh;
+        for (int i = 0; i < D / 2; ++i) qp[i][l] = (uint32_t)qr[2 * i] | (uint32_t)qr[2 * i + 1] << 16;
+    }
+    const __m512 pos = _mm512_loadu_ps(pj);
+    __m512 m = _mm512_set1_ps(-INFINITY), lsum = _mm512_setzero_ps();
+    ps_amx_configure();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t last = r0 + 15 < nrows ? r0 + 15 : nrows - 1;
+    const int64_t first_pos = offset + r0 / G, kseen = offset + last / G + 1, kend = kseen < kmax ? kseen : kmax;
+    for (int64_t k0 = 0; k0 < kend; k0 += PS_AMX_KEYS) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_loadd(7, qp[0], 64);
+        _tile_loadd(6, K + k0 * D, 2 * D);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, K + (k0 + 16) * D, 2 * D);
+        _tile_dpbf16ps(5, 6, 7);
+        _tile_loadd(7, qp[16], 64);
+        _tile_loadd(6, K + k0 * D + 32, 2 * D);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, K + (k0 + 16) * D + 32, 2 * D);
+        _tile_dpbf16ps(5, 6, 7);
+        _tile_stored(4, sb[0], 64);
+        _tile_stored(5, sb[16], 64);
+        __m512 s[PS_AMX_KEYS], tr[PS_AMX_KEYS / 2];
+        for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = _mm512_load_ps(sb[t]);
+        if (k0 + PS_AMX_KEYS - 1 > first_pos || k0 + PS_AMX_KEYS > kend)
+            for (int t = 0; t < PS_AMX_KEYS; ++t) {
+                const __mmask16 keep =
+                    k0 + t < kend ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + t)), pos, _CMP_LE_OQ) : 0;
+                s[t] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s[t]);
+            }
+        for (int i = 0; i < PS_AMX_KEYS / 2; ++i) tr[i] = _mm512_max_ps(s[i], s[i + PS_AMX_KEYS / 2]);
+        for (int w = PS_AMX_KEYS / 4; w; w /= 2)
+            for (int i = 0; i < w; ++i) tr[i] = _mm512_max_ps(tr[i], tr[i + w]);
+        const __m512 mt = _mm512_mul_ps(tr[0], vscale);
+        if (_mm512_cmp_ps_mask(mt, _mm512_add_ps(m, _mm512_set1_ps(PS_AMX_SLACK)), _CMP_GT_OQ)) {
+            const __m512 mnew = _mm512_max_ps(m, mt); /* finite: key 0 is in every first step */
+            const __m512 alpha = ps_exp2_bf16(_mm512_sub_ps(m, mnew));
+            if (k0) { /* the tiles hold the earlier steps' O^T: rescale them */
+                _tile_stored(0, ob[0], 64);
+                _tile_stored(1, ob[16], 64);
+                _tile_stored(2, ob[32], 64);
+                _tile_stored(3, ob[48], 64);
+                for (int d = 0; d < D; ++d) _mm512_store_ps(ob[d], _mm512_mul_ps(_mm512_load_ps(ob[d]), alpha));
+                _tile_loadd(0, ob[0], 64);
+                _tile_loadd(1, ob[16], 64);
+                _tile_loadd(2, ob[32], 64);
+                _tile_loadd(3, ob[48], 64);
+            }
+            lsum = _mm512_mul_ps(lsum, alpha);
+            m = mnew;
+        }
+        for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = ps_exp2_bf16(_mm512_fmsub_ps(s[t], vscale, m));
+        for (int i = 0; i < PS_AMX_KEYS / 2; ++i) tr[i] = _mm512_add_ps(s[i], s[i + PS_AMX_KEYS / 2]);
+        for (int w = PS_AMX_KEYS / 4; w; w /= 2)
+            for (int i = 0; i < w; ++i) tr[i] = _mm512_add_ps(tr[i], tr[i + w]);
+        lsum = _mm512_add_ps(lsum, tr[0]);
+        for (int u = 0; u < PS_AMX_KEYS / 2; ++u)
+            _mm512_store_si512(pb[u], _mm512_permutexvar_epi16(interleave,
+                                                               (__m512i)_mm512_cvtne2ps_pbh(s[2 * u + 1], s[2 * u])));
+        /* S^T is stored: tiles 4-6 take three V^T blocks at once (a multiply waits for the load of its
+         * A tile, and a load into a tile for the multiply reading it) */
+        const uint16_t *vt = VT + k0;
+        _tile_loadd(7, pb[0], 64);
+        _tile_loadd(4, vt, 2 * lp);
+        _tile_loadd(5, vt + 16 * lp, 2 * lp);
+        _tile_loadd(6, vt + 32 * lp, 2 * lp);
+        _tile_dpbf16ps(0, 4, 7);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(4, vt + 48 * lp, 2 * lp);
+        _tile_dpbf16ps(3, 4, 7);
+    }
+    _tile_stored(0, ob[0], 64);
+    _tile_stored(1, ob[16], 64);
+    _tile_stored(2, ob[32], 64);
+    _tile_stored(3, ob[48], 64);
+    _tile_release();
+    float mj[16], lj[16];
+    _mm512_storeu_ps(mj, _mm512_mul_ps(m, _mm512_set1_ps(0.693147180559945309f))); /* natural units */
+    _mm512_storeu_ps(lj, lsum);
+    const int n = nrows - r0 < 16 ? (int)(nrows - r0) : 16;
+    for (int l = 0; l < n; ++l) {
+        if (state) { /* the softmax state, as in ps_prefill_item */
+            float *st = state + row_o[l];
+            st[0] = mj[l];
+            st[1] = lj[l];
+            for (int d = 0; d < D; ++d) st[2 + d] = ob[d][l];
+        } else {
+            const float inv = 1.0f / lj[l];
+            for (int d = 0; d < D; ++d) out[row_o[l] + d] = ps_f32_to_bf16(ob[d][l] * inv);
+        }
+    }
+}
+
 /* The item for rows r0 .. of nrows, its copies for 1 or 2 row blocks and head_dim 64 (SmolLM2, Llama,
  * Qwen2) or any D ps_amx_takes. */
 static inline __attribute__((always_inline)) void ps_prefill_amx(
@@ -273,8 +405,10 @@ static inline __attribute__((always_inline)) void ps_prefill_amx(
     ps_prefill_item_amx(q, q_st, q_sh, out, o_st, o_sh, K, VT, lp, offset, r0, nrows, G, h, D_, scale, kmax, state, NV)
     const int two = nrows - r0 > 16;
     if (D == 64) {
-        if (two) PS_AMX_CALL(64, 2);
-        else PS_AMX_CALL(64, 1);
+        ps_prefill_item_amx64(q, q_st, q_sh, out, o_st, o_sh, K, VT, lp, offset, r0, nrows, G, h, scale, kmax, state);
+        if (two)
+            ps_prefill_item_amx64(q, q_st, q_sh, out, o_st, o_sh, K, VT, lp, offset, r0 + 16, nrows, G, h, scale, kmax,
+                                  state);
     } else {
         if (two) PS_AMX_CALL(D, 2);
         else PS_AMX_CALL(D, 1);
