@@ -8,7 +8,7 @@ process; reports milliseconds and the ratio ("c_ms" is ours).
   than the caches), per layer: batch 64 at 350 tokens (offline decode), 4 at 530 (beam search),
   and 64 sequences over shared 1,024-token prefixes (4 x 16 as in GSP, 1 x 64);
 * prefill attention, per layer: 5 prompts of 410 tokens, one 2,048-token prompt, a 512-token
-  chunk after 1,536 cached tokens (bfloat16 on an AMX CPU: SDPA on both sides);
+  chunk after 1,536 cached tokens (bfloat16 on an AMX CPU: the C kernel's AMX item);
 * linears over all 30 layers' weights (qkv, o, gate_up, down) plus the tied lm_head, one decode
   step at 4 / 8 / 16 rows: bound by reading ~540 MB (float32) or ~270 MB (bfloat16) of weights;
 * float32 linears through oneDNN (kernels/cpu/onednn_linear.py) vs F.linear (MKL), the same 30

@@ -6,8 +6,8 @@
 Each op has a torch reference (``<op>_torch``) and, where a backend has its own kernel, that
 kernel with the same signature: Triton (``<op>_triton``; attention, KV store, block copy) and the
 CPU C kernels (``<op>_cpu`` launchers and the bound op set in kernels/cpu/ops.py; built at first
-use, each falling back to its reference when no C compiler is present, and prefill in bfloat16 to
-SDPA on CPUs with AMX). See docs/CONTRACTS.md for the KV layout and op signatures.
+use, each falling back to its reference when no C compiler is present; bfloat16 attention runs on
+AMX tiles where the CPU has them). See docs/CONTRACTS.md for the KV layout and op signatures.
 
 This module stays light on purpose: it imports only torch, never triton, and never touches CUDA at
 import time. (Our top-level name ``kernels`` coincides with Hugging Face's unrelated ``kernels``

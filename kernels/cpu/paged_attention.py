@@ -132,9 +132,10 @@ def paged_attention_prefill_cpu(
     2-core AMD EPYC Zen 5: 5x410 tokens 5.0 -> 4.0 ms, 1x2048 15.6 -> 8.6, a 512 chunk after 1,536
     cached 6.6 -> 3.5, after-side in results/cpu_kernels_zen5.json; GSP's prefill attention 3.4 -> 0.9 s), within 2^-9 of the largest |V| of the
     float32 math. Sums run in another order than
-    SDPA's: float32 results agree to float32 rounding. On CPUs with AMX, bfloat16
-    goes to the reference instead: its SDPA runs the products on AMX, measured ~2x faster than the
-    kernel's float32 FMAs; without AMX SDPA measured 2.6-3x slower than the kernel."""
+    SDPA's: float32 results agree to float32 rounding. With AMX, bfloat16 runs both products on AMX tiles
+    (csrc/flash_amx.h; vdpbf16ps issues every second cycle on the 2-core Xeon measured): per layer
+    1x2048 6.5-6.7 ms vs SDPA's 13.0 (SDPA also multiplies on AMX), a 512 chunk after 1,536 1.8-2.0x
+    SDPA; a library built without the AMX item leaves bfloat16 on AMX CPUs to the reference (SDPA)."""
     t, hq, d, s, nb, bs, hkv = _validate_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                                  window, softcap)
     native = native_kernels()
