@@ -137,22 +137,9 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
     __m512 ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
     int64_t row_o[PS_PF_ROWS];
     const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f); /* m and the exps in base 2 */
-    __m512i interleave; /* as in ps_prefill_item_dp */
-    {
-        uint16_t idx[32];
-        for (int i = 0; i < 32; ++i) idx[i] = (uint16_t)(i % 2 ? 16 + i / 2 : i / 2);
-        interleave = _mm512_loadu_si512(idx);
-    }
+    const __m512i interleave = ps_pair_interleave();
     for (int j = 0; j < nv; ++j) {
-        float pj[16];
-        for (int l = 0; l < 16; ++l) {
-            const int64_t r0l = r0 + 16 * j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
-            pj[l] = (float)(offset + qi);
-            row_o[16 * j + l] = qi * o_st + k * o_sh;
-            const uint16_t *qr = q + qi * q_st + k * q_sh;
-            for (int64_t i = 0; i < D / 2; ++i) qp[j][i][l] = (uint32_t)qr[2 * i] | (uint32_t)qr[2 * i + 1] << 16;
-        }
-        pos[j] = _mm512_loadu_ps(pj);
+        pos[j] = ps_pf_rows16(q, q_st, q_sh, o_st, o_sh, offset, r0 + 16 * j, nrows, G, h, D, qp[j], row_o + 16 * j);
         m[j] = _mm512_set1_ps(-INFINITY);
         lsum[j] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; ++d) ot[d][j] = _mm512_setzero_ps();
@@ -241,28 +228,9 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
         }
     }
     _tile_release();
-    for (int j = 0; j < nv; ++j) {
-        if (state) { /* the softmax state, as in ps_prefill_item */
-            float mj[16], lj[16], ov[16];
-            _mm512_storeu_ps(mj, _mm512_mul_ps(m[j], _mm512_set1_ps(0.693147180559945309f))); /* natural units */
-            _mm512_storeu_ps(lj, lsum[j]);
-            for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) {
-                state[row_o[16 * j + l]] = mj[l];
-                state[row_o[16 * j + l] + 1] = lj[l];
-            }
-            for (int64_t d = 0; d < D; ++d) {
-                _mm512_storeu_ps(ov, ot[d][j]);
-                for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) state[row_o[16 * j + l] + 2 + d] = ov[l];
-            }
-            continue;
-        }
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), lsum[j]);
-        float ov[16];
-        for (int64_t d = 0; d < D; ++d) {
-            _mm512_storeu_ps(ov, _mm512_mul_ps(ot[d][j], inv));
-            for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) out[row_o[16 * j + l] + d] = ps_f32_to_bf16(ov[l]);
-        }
-    }
+    for (int j = 0; j < nv; ++j) /* m in natural units for the state */
+        ps_pf_finish16(ot, j, _mm512_mul_ps(m[j], _mm512_set1_ps(0.693147180559945309f)), lsum[j], row_o, r0 + 16 * j,
+                       nrows, D, state, out);
 }
 
 /* head_dim 64: an item of 16 rows whose output O^T stays in tiles 0-3 for all its keys. The running
@@ -284,21 +252,8 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx64(
     float ob[D][16] __attribute__((aligned(64))); /* O^T: row d, lane = query row */
     int64_t row_o[16];
     const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);
-    __m512i interleave;
-    {
-        uint16_t idx[32];
-        for (int i = 0; i < 32; ++i) idx[i] = (uint16_t)(i % 2 ? 16 + i / 2 : i / 2);
-        interleave = _mm512_loadu_si512(idx);
-    }
-    float pj[16];
-    for (int l = 0; l < 16; ++l) {
-        const int64_t r = r0 + l < nrows ? r0 + l : nrows - 1, qi = r / G, k = h * G + r % G;
-        pj[l] = (float)(offset + qi);
-        row_o[l] = qi * o_st + k * o_sh;
-        const uint16_t *qr = q + qi * q_st + k * q_sh;
-        for (int i = 0; i < D / 2; ++i) qp[i][l] = (uint32_t)qr[2 * i] | (uint32_t)qr[2 * i + 1] << 16;
-    }
-    const __m512 pos = _mm512_loadu_ps(pj);
+    const __m512i interleave = ps_pair_interleave();
+    const __m512 pos = ps_pf_rows16(q, q_st, q_sh, o_st, o_sh, offset, r0, nrows, G, h, D, qp, row_o);
     __m512 m = _mm512_set1_ps(-INFINITY), lsum = _mm512_setzero_ps();
     ps_amx_configure();
     _tile_zero(0);

@@ -256,6 +256,63 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
 
 #if defined(__AVX512BF16__) && defined(PS_AVX512)
 #define PS_PF_DP 1
+/* Rows r0j .. r0j+15 of a bfloat16 item (past nrows: the last real row again): each row's query as d pairs,
+ * qw[i][l] = q[row l][2i] | q[row l][2i+1] << 16, its output offset row_o16[l] and its position. */
+static inline __attribute__((always_inline)) __m512 ps_pf_rows16(const uint16_t *restrict q, const int64_t q_st,
+                                                                 const int64_t q_sh, const int64_t o_st, const int64_t o_sh,
+                                                                 const int64_t offset, const int64_t r0j,
+                                                                 const int64_t nrows, const int64_t G, const int64_t h,
+                                                                 const int64_t D, uint32_t qw[][16], int64_t *row_o16) {
+    float pj[16];
+    for (int l = 0; l < 16; ++l) {
+        const int64_t r0l = r0j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
+        pj[l] = (float)(offset + qi);
+        row_o16[l] = qi * o_st + k * o_sh;
+        const uint16_t *qr = q + qi * q_st + k * q_sh;
+        for (int64_t i = 0; i < D / 2; ++i) qw[i][l] = (uint32_t)qr[2 * i] | (uint32_t)qr[2 * i + 1] << 16;
+    }
+    return _mm512_loadu_ps(pj);
+}
+
+/* The permutation that makes cvtne2ps's output pairs: bf16 element 2l from lane l of its first operand
+ * (the low half), 2l + 1 from lane l of its second (the high half). */
+static inline __m512i ps_pair_interleave(void) {
+    uint16_t idx[32];
+    for (int i = 0; i < 32; ++i) idx[i] = (uint16_t)(i % 2 ? 16 + i / 2 : i / 2);
+    return _mm512_loadu_si512(idx);
+}
+
+/* Row block j (rows r0j .. r0j+15, those < nrows real) of a 16-lane bfloat16 item: its softmax state
+ * into state (m in natural units, l, the unnormalised ot; paged_attention_decode.c goes on from it)
+ * or, without state, ot / l rounded into out. row_o: each row's element offset, for all the item's rows. */
+static inline __attribute__((always_inline)) void ps_pf_finish16(__m512 ot[][PS_PF_NV], const int j, const __m512 m,
+                                                                 const __m512 lsum, const int64_t *row_o,
+                                                                 const int64_t r0j, const int64_t nrows, const int64_t D,
+                                                                 float *restrict state, uint16_t *restrict out) {
+    const int64_t *ro = row_o + 16 * j;
+    const int n = nrows - r0j < 16 ? (int)(nrows - r0j) : 16;
+    float ov[16];
+    if (state) {
+        float mj[16], lj[16];
+        _mm512_storeu_ps(mj, m);
+        _mm512_storeu_ps(lj, lsum);
+        for (int l = 0; l < n; ++l) {
+            state[ro[l]] = mj[l];
+            state[ro[l] + 1] = lj[l];
+        }
+        for (int64_t d = 0; d < D; ++d) {
+            _mm512_storeu_ps(ov, ot[d][j]);
+            for (int l = 0; l < n; ++l) state[ro[l] + 2 + d] = ov[l];
+        }
+        return;
+    }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), lsum);
+    for (int64_t d = 0; d < D; ++d) {
+        _mm512_storeu_ps(ov, _mm512_mul_ps(ot[d][j], inv));
+        for (int l = 0; l < n; ++l) out[ro[l] + d] = ps_f32_to_bf16(ov[l]);
+    }
+}
+
 /* bfloat16 with AVX512-BF16: the item above with both products on vdpbf16ps, which multiplies 16
  * lanes of bf16 pairs and adds each pair's two products into a float32 lane, so one instruction does
  * the work of two FMAs. Gathered K stays bfloat16 in position rows (a pair of d is one 32-bit word);
@@ -272,26 +329,11 @@ static inline __attribute__((always_inline)) void ps_prefill_item_dp(
     __m512 ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
     int64_t row_o[PS_PF_ROWS];
     const __m512 vscale = _mm512_set1_ps(scale);
-    /* bf16 element 2l of a pair vector from lane l of the first operand of cvtne2ps (its low half),
-     * 2l + 1 from lane l of the second (its high half) */
-    __m512i interleave;
-    {
-        uint16_t idx[32];
-        for (int i = 0; i < 32; ++i) idx[i] = (uint16_t)(i % 2 ? 16 + i / 2 : i / 2);
-        interleave = _mm512_loadu_si512(idx);
-    }
+    const __m512i interleave = ps_pair_interleave();
     for (int j = 0; j < PS_PF_NV; ++j) {
         uint32_t qw[PS_PF_MAX_D / 2][16];
-        float pj[16];
-        for (int l = 0; l < 16; ++l) {
-            const int64_t r0l = r0 + 16 * j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
-            pj[l] = (float)(offset + qi);
-            row_o[16 * j + l] = qi * o_st + k * o_sh;
-            const uint16_t *qr = q + qi * q_st + k * q_sh;
-            for (int64_t i = 0; i < D / 2; ++i) qw[i][l] = (uint32_t)qr[2 * i] | (uint32_t)qr[2 * i + 1] << 16;
-        }
+        pos[j] = ps_pf_rows16(q, q_st, q_sh, o_st, o_sh, offset, r0 + 16 * j, nrows, G, h, D, qw, row_o + 16 * j);
         for (int64_t i = 0; i < D / 2; ++i) qt[i][j] = (__m512bh)_mm512_loadu_si512(qw[i]);
-        pos[j] = _mm512_loadu_ps(pj);
         m[j] = _mm512_set1_ps(-INFINITY);
         lsum[j] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; ++d) ot[d][j] = _mm512_setzero_ps();
@@ -349,28 +391,7 @@ static inline __attribute__((always_inline)) void ps_prefill_item_dp(
                 for (int i = 0; i < PS_PF_DB; ++i) ot[d0 + i][j] = o[j][i];
         }
     }
-    for (int j = 0; j < PS_PF_NV; ++j) {
-        if (state) { /* the softmax state, as in ps_prefill_item */
-            float mj[16], lj[16], ov[16];
-            _mm512_storeu_ps(mj, m[j]);
-            _mm512_storeu_ps(lj, lsum[j]);
-            for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) {
-                state[row_o[16 * j + l]] = mj[l];
-                state[row_o[16 * j + l] + 1] = lj[l];
-            }
-            for (int64_t d = 0; d < D; ++d) {
-                _mm512_storeu_ps(ov, ot[d][j]);
-                for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) state[row_o[16 * j + l] + 2 + d] = ov[l];
-            }
-            continue;
-        }
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), lsum[j]);
-        float ov[16];
-        for (int64_t d = 0; d < D; ++d) {
-            _mm512_storeu_ps(ov, _mm512_mul_ps(ot[d][j], inv));
-            for (int l = 0; l < 16 && r0 + 16 * j + l < nrows; ++l) out[row_o[16 * j + l] + d] = ps_f32_to_bf16(ov[l]);
-        }
-    }
+    for (int j = 0; j < PS_PF_NV; ++j) ps_pf_finish16(ot, j, m[j], lsum[j], row_o, r0 + 16 * j, nrows, D, state, out);
 }
 
 /* Positions [p0, p1) of KV head h of a bfloat16 cache as position pairs: word (p / 2) * D + d of dst
