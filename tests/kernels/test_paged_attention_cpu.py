@@ -322,8 +322,9 @@ def test_prefill_without_avx512_or_avx2_takes_the_torch_path(native, monkeypatch
 # kernel specialises (64, 128) or not (32, 80, 256 = its limit), and blocks smaller, equal to and
 # larger than its 16-key tiles; bfloat16 is float32 math on widened operands, rounded once.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (AMX: head_dim 64 reads K in place from blocks of 16 or 32, from gathered rows with blocks of 8.)
 @pytest.mark.parametrize("g,d,bs", [(1, 64, 16), (3, 64, 16), (4, 128, 32), (2, 80, 8), (8, 32, 16),
-                                    (3, 256, 16), (16, 64, 8), (5, 72, 32)])
+                                    (3, 256, 16), (16, 64, 8), (5, 72, 32), (3, 64, 32)])
 def test_cpu_prefill_matches_naive_and_reference(native, kernel_only, g, d, bs, dtype):
     kv, query, qsl = _prefill_case(_prefill_shapes(bs), HKV, g, d, bs, dtype=dtype, seed=g + d + bs, num_layers=2)
     scale = d**-0.5

@@ -108,6 +108,31 @@ static void ps_gather_vt(const uint16_t *cache, const int32_t *bt_row, int64_t p
     }
 }
 
+/* Where the AMX items read K: key p's row at base + p ss (gathered rows, bt NULL), or at base + bt[p / bs] sb
+ * + (p % bs) ss, the paged cache itself, whose blocks of a multiple of 16 positions keep a tile's 16 keys
+ * in one block at one stride. Reading K in place leaves the gather only V to transpose: per layer, decode
+ * over 4 x 16 sequences sharing 1,024 tokens spent ~40% of its time copying their K (2-core Xeon). */
+typedef struct {
+    const uint16_t *base;
+    const int32_t *bt;
+    int64_t sb, ss, bs;
+} ps_krows;
+
+static inline const uint16_t *ps_krow(const ps_krows k, const int64_t p) {
+    return k.bt ? k.base + (int64_t)k.bt[p / k.bs] * k.sb + (p % k.bs) * k.ss : k.base + p * k.ss;
+}
+
+/* Whether the items read K in place (the head_dim 64 item; blocks of a multiple of 16 positions). */
+static inline int ps_amx_k_in_place(int64_t D, int64_t BS) { return D == 64 && BS % 16 == 0; }
+
+/* KV head h's keys for the items: in place in the cache (bt_row: the sequence's block table), or the gathered
+ * rows at Kb. */
+static inline ps_krows ps_amx_krows(const uint16_t *kc, const int32_t *bt_row, int64_t k_sb, int64_t k_ss,
+                                    int64_t k_sh, int64_t h, int64_t BS, int64_t D, const uint16_t *Kb) {
+    if (ps_amx_k_in_place(D, BS)) return (ps_krows){kc + h * k_sh, bt_row, k_sb, k_ss, BS};
+    return (ps_krows){Kb, NULL, 0, D, 1};
+}
+
 /* Positions [p0, min(p1, p0 + 16)) of KV head h into the AMX item's layout at base (lp positions of Hkv
  * heads, zero past p1): K head h at (uint16_t *)base + h lp D as position rows, V^T head h at
  * (uint16_t *)(base + Hkv lp D) + h lp D. The bytes ps_gather_chunk's layouts take. */
@@ -115,11 +140,15 @@ static inline void ps_gather_chunk_amx(const uint16_t *kc, const uint16_t *vc, c
                                        int64_t p1, int64_t BS, int64_t k_sb, int64_t k_ss, int64_t k_sh, int64_t v_sb,
                                        int64_t v_ss, int64_t v_sh, int64_t h, int64_t Hkv, int64_t D, int64_t lp,
                                        float *base) {
+    if (ps_amx_k_in_place(D, BS)) kc = NULL; /* the items read K where it is */
     uint16_t *Kb = (uint16_t *)base + h * lp * D, *VT = (uint16_t *)(base + Hkv * lp * D) + h * lp * D;
     p1 = p1 < p0 ? p0 : p1;
-    for (int64_t p = p0; p < p1; ++p)
-        memcpy(Kb + p * D, kc + (int64_t)bt_row[p / BS] * k_sb + (p % BS) * k_ss + h * k_sh, (size_t)D * sizeof(uint16_t));
-    memset(Kb + p1 * D, 0, (size_t)((p0 + 16 - p1) * D) * sizeof(uint16_t));
+    if (kc) {
+        for (int64_t p = p0; p < p1; ++p)
+            memcpy(Kb + p * D, kc + (int64_t)bt_row[p / BS] * k_sb + (p % BS) * k_ss + h * k_sh,
+                   (size_t)D * sizeof(uint16_t));
+        memset(Kb + p1 * D, 0, (size_t)((p0 + 16 - p1) * D) * sizeof(uint16_t));
+    }
     ps_gather_vt(vc, bt_row, p0, p1, BS, v_sb, v_ss, v_sh, h, D, lp, VT);
 }
 
@@ -242,7 +271,8 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
 #define PS_AMX_SLACK 8.0f
 static inline __attribute__((always_inline)) void ps_prefill_item_amx64(
     const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
-    const int64_t o_sh, const uint16_t *restrict K, const uint16_t *restrict VT, const int64_t lp, const int64_t offset,
+    const int64_t o_sh, const ps_krows K, const int64_t kreal, const uint16_t *restrict VT, const int64_t lp,
+    const int64_t offset,
     const int64_t r0, const int64_t nrows, const int64_t G, const int64_t h, const float scale, const int64_t kmax,
     float *restrict state) {
     enum { D = 64 };
@@ -265,16 +295,22 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx64(
     for (int64_t k0 = 0; k0 < kend; k0 += PS_AMX_KEYS) {
         _tile_zero(4);
         _tile_zero(5);
+        /* keys from kreal on have no rows to read (in place: maybe no block); their scores are masked */
+        const uint16_t *k_lo = ps_krow(K, k0), *k_hi = k0 + 16 < kreal ? ps_krow(K, k0 + 16) : NULL;
         _tile_loadd(7, qp[0], 64);
-        _tile_loadd(6, K + k0 * D, 2 * D);
+        _tile_loadd(6, k_lo, 2 * K.ss);
         _tile_dpbf16ps(4, 6, 7);
-        _tile_loadd(6, K + (k0 + 16) * D, 2 * D);
-        _tile_dpbf16ps(5, 6, 7);
+        if (k_hi) {
+            _tile_loadd(6, k_hi, 2 * K.ss);
+            _tile_dpbf16ps(5, 6, 7);
+        }
         _tile_loadd(7, qp[16], 64);
-        _tile_loadd(6, K + k0 * D + 32, 2 * D);
+        _tile_loadd(6, k_lo + 32, 2 * K.ss);
         _tile_dpbf16ps(4, 6, 7);
-        _tile_loadd(6, K + (k0 + 16) * D + 32, 2 * D);
-        _tile_dpbf16ps(5, 6, 7);
+        if (k_hi) {
+            _tile_loadd(6, k_hi + 32, 2 * K.ss);
+            _tile_dpbf16ps(5, 6, 7);
+        }
         _tile_stored(4, sb[0], 64);
         _tile_stored(5, sb[16], 64);
         __m512 s[PS_AMX_KEYS], tr[PS_AMX_KEYS / 2];
@@ -350,20 +386,23 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx64(
 }
 
 /* The item for rows r0 .. of nrows, its copies for 1 or 2 row blocks and head_dim 64 (SmolLM2, Llama,
- * Qwen2) or any D ps_amx_takes. */
+ * Qwen2) or any D ps_amx_takes. K: ps_amx_krows's (gathered for D other than 64); keys from kreal on
+ * are not read. */
 static inline __attribute__((always_inline)) void ps_prefill_amx(
     const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
-    const int64_t o_sh, const uint16_t *restrict K, const uint16_t *restrict VT, const int64_t lp, const int64_t offset,
+    const int64_t o_sh, const ps_krows K, const int64_t kreal, const uint16_t *restrict VT, const int64_t lp,
+    const int64_t offset,
     const int64_t r0, const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale,
     const int64_t kmax, float *restrict state) {
 #define PS_AMX_CALL(D_, NV) \
-    ps_prefill_item_amx(q, q_st, q_sh, out, o_st, o_sh, K, VT, lp, offset, r0, nrows, G, h, D_, scale, kmax, state, NV)
+    ps_prefill_item_amx(q, q_st, q_sh, out, o_st, o_sh, K.base, VT, lp, offset, r0, nrows, G, h, D_, scale, kmax, state, NV)
     const int two = nrows - r0 > 16;
     if (D == 64) {
-        ps_prefill_item_amx64(q, q_st, q_sh, out, o_st, o_sh, K, VT, lp, offset, r0, nrows, G, h, scale, kmax, state);
+        ps_prefill_item_amx64(q, q_st, q_sh, out, o_st, o_sh, K, kreal, VT, lp, offset, r0, nrows, G, h, scale, kmax,
+                              state);
         if (two)
-            ps_prefill_item_amx64(q, q_st, q_sh, out, o_st, o_sh, K, VT, lp, offset, r0 + 16, nrows, G, h, scale, kmax,
-                                  state);
+            ps_prefill_item_amx64(q, q_st, q_sh, out, o_st, o_sh, K, kreal, VT, lp, offset, r0 + 16, nrows, G, h, scale,
+                                  kmax, state);
     } else {
         if (two) PS_AMX_CALL(D, 2);
         else PS_AMX_CALL(D, 1);

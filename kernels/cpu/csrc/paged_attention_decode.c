@@ -589,8 +589,9 @@ static inline __attribute__((always_inline)) void ps_shared_run(
         if (sh->amx) {
             const uint16_t *Kb = (const uint16_t *)base + h * lp * D;
             const uint16_t *VT = (const uint16_t *)(base + Hkv * lp * D) + h * lp * D;
-            ps_prefill_amx((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, VT, lp, lp, r0, gr->n * G, G, h,
-                           D, scale, lp, st);
+            const ps_krows K = ps_amx_krows(kc, bt + sh->order[gr->first] * bt_stride, k_sb, k_ss, k_sh, h, BS, D, Kb);
+            ps_prefill_amx((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, K, lp, VT, lp, lp, r0, gr->n * G,
+                           G, h, D, scale, lp, st);
             continue;
         }
 #endif

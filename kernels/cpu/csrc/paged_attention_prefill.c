@@ -130,8 +130,9 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
             if (amx) {
                 const uint16_t *Kb = (const uint16_t *)(ws + kv_at[s]) + h * lp * D;
                 const uint16_t *VT = (const uint16_t *)(ws + kv_at[s] + Hkv * lp * D) + h * lp * D;
-                ps_prefill_amx((const uint16_t *)qs, q_st, q_sh, (uint16_t *)os, o_st, o_sh, Kb, VT, lp, len[s] - ql, r0,
-                               ql * G, G, h, D, scale, INT64_MAX, NULL);
+                const ps_krows K = ps_amx_krows(kc, bt + s * bt_stride, k_sb, k_ss, k_sh, h, BS, D, Kb);
+                ps_prefill_amx((const uint16_t *)qs, q_st, q_sh, (uint16_t *)os, o_st, o_sh, K, len[s], VT, lp,
+                               len[s] - ql, r0, ql * G, G, h, D, scale, INT64_MAX, NULL);
                 continue;
             }
 #endif
