@@ -152,6 +152,68 @@ static inline void ps_gather_chunk_amx(const uint16_t *kc, const uint16_t *vc, c
     ps_gather_vt(vc, bt_row, p0, p1, BS, v_sb, v_ss, v_sh, h, D, lp, VT);
 }
 
+/* Tiles 0-3 += V^T blocks d0 .. d0+63 (rows of lp positions at vt, the step's keys) times the P^T pairs
+ * in tile 7; tiles 4-6 take three A blocks at once (a multiply waits for the load of its A tile, and a
+ * load into a tile for the multiply reading it). */
+static inline void ps_amx_pv64(const uint16_t *vt, const int64_t lp) {
+    _tile_loadd(4, vt, 2 * lp);
+    _tile_loadd(5, vt + 16 * lp, 2 * lp);
+    _tile_loadd(6, vt + 32 * lp, 2 * lp);
+    _tile_dpbf16ps(0, 4, 7);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_loadd(4, vt + 48 * lp, 2 * lp);
+    _tile_dpbf16ps(3, 4, 7);
+}
+
+/* Tiles 0-3 to / from 64 rows of 16 floats (tile i: rows 16 i .. 16 i + 15). */
+static inline void ps_amx_store4(float ob[][16]) {
+    _tile_stored(0, ob[0], 64);
+    _tile_stored(1, ob[16], 64);
+    _tile_stored(2, ob[32], 64);
+    _tile_stored(3, ob[48], 64);
+}
+
+static inline void ps_amx_load4(float ob[][16]) {
+    _tile_loadd(0, ob[0], 64);
+    _tile_loadd(1, ob[16], 64);
+    _tile_loadd(2, ob[32], 64);
+    _tile_loadd(3, ob[48], 64);
+}
+
+/* A step's scores s[t] (lane = row) from S^T as stored, with masked set: keys past a lane's position, and
+ * keys from kend on, at -inf. */
+static inline __attribute__((always_inline)) void ps_amx_scores(const float sb[][16], __m512 *s, const int64_t k0,
+                                                                const int64_t kend, const __m512 pos, const int masked) {
+    for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = _mm512_load_ps(sb[t]);
+    if (masked)
+        for (int t = 0; t < PS_AMX_KEYS; ++t) {
+            const __mmask16 keep =
+                k0 + t < kend ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + t)), pos, _CMP_LE_OQ) : 0;
+            s[t] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s[t]);
+        }
+}
+
+/* The max (add = 0) or sum (add = 1) of a step's 32 vectors, as a tree: a chain of 31 dependent ops was
+ * ~130 cycles of latency. */
+static inline __attribute__((always_inline)) __m512 ps_amx_reduce(const __m512 *s, const int add) {
+    __m512 tr[PS_AMX_KEYS / 2];
+    for (int i = 0; i < PS_AMX_KEYS / 2; ++i)
+        tr[i] = add ? _mm512_add_ps(s[i], s[i + PS_AMX_KEYS / 2]) : _mm512_max_ps(s[i], s[i + PS_AMX_KEYS / 2]);
+    for (int w = PS_AMX_KEYS / 4; w; w /= 2)
+        for (int i = 0; i < w; ++i) tr[i] = add ? _mm512_add_ps(tr[i], tr[i + w]) : _mm512_max_ps(tr[i], tr[i + w]);
+    return tr[0];
+}
+
+/* The step's probabilities 2^(s vscale - m) as P^T pairs into pb (the B of O^T); returns their sum. */
+static inline __attribute__((always_inline)) __m512 ps_amx_probs(__m512 *s, const __m512 vscale, const __m512 m,
+                                                                 const __m512i interleave, uint32_t pb[][16]) {
+    for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = ps_exp2_bf16(_mm512_fmsub_ps(s[t], vscale, m));
+    for (int u = 0; u < PS_AMX_KEYS / 2; ++u)
+        _mm512_store_si512(pb[u], _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * u + 1], s[2 * u])));
+    return ps_amx_reduce(s, 1);
+}
+
 /* The item (see above). q / out as ps_prefill_item_dp; K: lp x D bfloat16 position rows, VT: D x lp;
  * nv: the 16-row blocks with real rows (1 or 2), a constant in each copy. */
 static inline __attribute__((always_inline)) void ps_prefill_item_amx(
@@ -162,7 +224,7 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
     uint32_t qp[PS_PF_NV][PS_PF_MAX_D / 2][16] __attribute__((aligned(64))); /* B of S^T: lane r = q[r][2i], q[r][2i+1] */
     float sb[PS_PF_NV][PS_AMX_KEYS][16] __attribute__((aligned(64)));       /* S^T of a step */
     uint32_t pb[PS_PF_NV][PS_AMX_KEYS / 2][16] __attribute__((aligned(64))); /* B of O^T: lane r = p[r][2u], p[r][2u+1] */
-    float ob[4][16][16] __attribute__((aligned(64)));                       /* O^T of a step, 4 d blocks */
+    float ob[64][16] __attribute__((aligned(64)));                          /* O^T of a step, 4 d blocks */
     __m512 ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
     int64_t row_o[PS_PF_ROWS];
     const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f); /* m and the exps in base 2 */
@@ -204,55 +266,24 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
         const int masked = k0 + PS_AMX_KEYS - 1 > first_pos || k0 + PS_AMX_KEYS > kend;
         for (int j = 0; j < nv; ++j) {
             __m512 s[PS_AMX_KEYS];
-            for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = _mm512_load_ps(sb[j][t]);
-            if (masked) /* past a lane's position, or past the keys read */
-                for (int t = 0; t < PS_AMX_KEYS; ++t) {
-                    const __mmask16 keep = k0 + t < kend ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + t)), pos[j],
-                                                                              _CMP_LE_OQ)
-                                                         : 0;
-                    s[t] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s[t]);
-                }
-            /* max and sum over the 32 keys as trees: a chain of 31 dependent ops was ~130 cycles of latency */
-            __m512 tr[PS_AMX_KEYS / 2];
-            for (int i = 0; i < PS_AMX_KEYS / 2; ++i) tr[i] = _mm512_max_ps(s[i], s[i + PS_AMX_KEYS / 2]);
-            for (int w = PS_AMX_KEYS / 4; w; w /= 2)
-                for (int i = 0; i < w; ++i) tr[i] = _mm512_max_ps(tr[i], tr[i + w]);
-            const __m512 mnew = _mm512_max_ps(m[j], _mm512_mul_ps(tr[0], vscale)); /* finite: key 0 is in every first step */
+            ps_amx_scores(sb[j], s, k0, kend, pos[j], masked);
+            const __m512 mnew = _mm512_max_ps(m[j], _mm512_mul_ps(ps_amx_reduce(s, 0), vscale)); /* finite: key 0 is in every first step */
             alpha[j] = ps_exp2_bf16(_mm512_sub_ps(m[j], mnew));
-            for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = ps_exp2_bf16(_mm512_fmsub_ps(s[t], vscale, mnew));
-            for (int i = 0; i < PS_AMX_KEYS / 2; ++i) tr[i] = _mm512_add_ps(s[i], s[i + PS_AMX_KEYS / 2]);
-            for (int w = PS_AMX_KEYS / 4; w; w /= 2)
-                for (int i = 0; i < w; ++i) tr[i] = _mm512_add_ps(tr[i], tr[i + w]);
-            lsum[j] = _mm512_fmadd_ps(lsum[j], alpha[j], tr[0]);
-            for (int u = 0; u < PS_AMX_KEYS / 2; ++u)
-                _mm512_store_si512(pb[j][u], _mm512_permutexvar_epi16(
-                                                 interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * u + 1], s[2 * u])));
+            lsum[j] = _mm512_fmadd_ps(lsum[j], alpha[j], ps_amx_probs(s, vscale, mnew, interleave, pb[j]));
             m[j] = mnew;
         }
         /* O^T, 4 d blocks of 16 at a time per row block */
         for (int j = 0; j < nv; ++j) {
-            _tile_loadd(6, pb[j], 64);
+            _tile_loadd(7, pb[j], 64);
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                const uint16_t *vt = VT + d0 * lp + k0;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                _tile_loadd(4, vt, 2 * lp);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(5, vt + 16 * lp, 2 * lp);
-                _tile_dpbf16ps(1, 5, 6);
-                _tile_loadd(4, vt + 32 * lp, 2 * lp);
-                _tile_dpbf16ps(2, 4, 6);
-                _tile_loadd(5, vt + 48 * lp, 2 * lp);
-                _tile_dpbf16ps(3, 5, 6);
-                _tile_stored(0, ob[0], 64);
-                _tile_stored(1, ob[1], 64);
-                _tile_stored(2, ob[2], 64);
-                _tile_stored(3, ob[3], 64);
-                for (int b = 0; b < 4; ++b)
-                    for (int d = 0; d < 16; ++d)
-                        ot[d0 + 16 * b + d][j] = _mm512_fmadd_ps(ot[d0 + 16 * b + d][j], alpha[j], _mm512_load_ps(ob[b][d]));
+                ps_amx_pv64(VT + d0 * lp + k0, lp);
+                ps_amx_store4(ob);
+                for (int d = 0; d < 64; ++d)
+                    ot[d0 + d][j] = _mm512_fmadd_ps(ot[d0 + d][j], alpha[j], _mm512_load_ps(ob[d]));
             }
         }
     }
@@ -313,60 +344,25 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx64(
         }
         _tile_stored(4, sb[0], 64);
         _tile_stored(5, sb[16], 64);
-        __m512 s[PS_AMX_KEYS], tr[PS_AMX_KEYS / 2];
-        for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = _mm512_load_ps(sb[t]);
-        if (k0 + PS_AMX_KEYS - 1 > first_pos || k0 + PS_AMX_KEYS > kend)
-            for (int t = 0; t < PS_AMX_KEYS; ++t) {
-                const __mmask16 keep =
-                    k0 + t < kend ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + t)), pos, _CMP_LE_OQ) : 0;
-                s[t] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s[t]);
-            }
-        for (int i = 0; i < PS_AMX_KEYS / 2; ++i) tr[i] = _mm512_max_ps(s[i], s[i + PS_AMX_KEYS / 2]);
-        for (int w = PS_AMX_KEYS / 4; w; w /= 2)
-            for (int i = 0; i < w; ++i) tr[i] = _mm512_max_ps(tr[i], tr[i + w]);
-        const __m512 mt = _mm512_mul_ps(tr[0], vscale);
+        __m512 s[PS_AMX_KEYS];
+        ps_amx_scores(sb, s, k0, kend, pos, k0 + PS_AMX_KEYS - 1 > first_pos || k0 + PS_AMX_KEYS > kend);
+        const __m512 mt = _mm512_mul_ps(ps_amx_reduce(s, 0), vscale);
         if (_mm512_cmp_ps_mask(mt, _mm512_add_ps(m, _mm512_set1_ps(PS_AMX_SLACK)), _CMP_GT_OQ)) {
             const __m512 mnew = _mm512_max_ps(m, mt); /* finite: key 0 is in every first step */
             const __m512 alpha = ps_exp2_bf16(_mm512_sub_ps(m, mnew));
             if (k0) { /* the tiles hold the earlier steps' O^T: rescale them */
-                _tile_stored(0, ob[0], 64);
-                _tile_stored(1, ob[16], 64);
-                _tile_stored(2, ob[32], 64);
-                _tile_stored(3, ob[48], 64);
+                ps_amx_store4(ob);
                 for (int d = 0; d < D; ++d) _mm512_store_ps(ob[d], _mm512_mul_ps(_mm512_load_ps(ob[d]), alpha));
-                _tile_loadd(0, ob[0], 64);
-                _tile_loadd(1, ob[16], 64);
-                _tile_loadd(2, ob[32], 64);
-                _tile_loadd(3, ob[48], 64);
+                ps_amx_load4(ob);
             }
             lsum = _mm512_mul_ps(lsum, alpha);
             m = mnew;
         }
-        for (int t = 0; t < PS_AMX_KEYS; ++t) s[t] = ps_exp2_bf16(_mm512_fmsub_ps(s[t], vscale, m));
-        for (int i = 0; i < PS_AMX_KEYS / 2; ++i) tr[i] = _mm512_add_ps(s[i], s[i + PS_AMX_KEYS / 2]);
-        for (int w = PS_AMX_KEYS / 4; w; w /= 2)
-            for (int i = 0; i < w; ++i) tr[i] = _mm512_add_ps(tr[i], tr[i + w]);
-        lsum = _mm512_add_ps(lsum, tr[0]);
-        for (int u = 0; u < PS_AMX_KEYS / 2; ++u)
-            _mm512_store_si512(pb[u], _mm512_permutexvar_epi16(interleave,
-                                                               (__m512i)_mm512_cvtne2ps_pbh(s[2 * u + 1], s[2 * u])));
-        /* S^T is stored: tiles 4-6 take three V^T blocks at once (a multiply waits for the load of its
-         * A tile, and a load into a tile for the multiply reading it) */
-        const uint16_t *vt = VT + k0;
-        _tile_loadd(7, pb[0], 64);
-        _tile_loadd(4, vt, 2 * lp);
-        _tile_loadd(5, vt + 16 * lp, 2 * lp);
-        _tile_loadd(6, vt + 32 * lp, 2 * lp);
-        _tile_dpbf16ps(0, 4, 7);
-        _tile_dpbf16ps(1, 5, 7);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(4, vt + 48 * lp, 2 * lp);
-        _tile_dpbf16ps(3, 4, 7);
+        lsum = _mm512_add_ps(lsum, ps_amx_probs(s, vscale, m, interleave, pb));
+        _tile_loadd(7, pb[0], 64); /* S^T is stored: tiles 4-6 are free for V^T */
+        ps_amx_pv64(VT + k0, lp);
     }
-    _tile_stored(0, ob[0], 64);
-    _tile_stored(1, ob[16], 64);
-    _tile_stored(2, ob[32], 64);
-    _tile_stored(3, ob[48], 64);
+    ps_amx_store4(ob);
     _tile_release();
     float mj[16], lj[16];
     _mm512_storeu_ps(mj, _mm512_mul_ps(m, _mm512_set1_ps(0.693147180559945309f))); /* natural units */
