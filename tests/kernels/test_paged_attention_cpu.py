@@ -143,8 +143,7 @@ def _shared_prefix_case(g, d, bs, dtype, members, seed=0, growth=0.0):
 def test_shared_prefix_with_scores_growing_along_the_keys(native, dtype):
     """Keys that grow along the prefix raise each row's max on later steps: the items' rescaling of what
     they summed before (on AMX, of the output tiles) is exercised, not only their first step."""
-    members = 8 if dtype == torch.bfloat16 else 48
-    k, v, tables, lens, query, naive = _shared_prefix_case(3, 64, 16, dtype, members, seed=5, growth=0.05)
+    k, v, tables, lens, query, naive = _shared_prefix_case(3, 64, 16, dtype, 8, seed=5, growth=0.05)
     out = paged_attention_decode_cpu(query, k, v, tables, lens, 64**-0.5, scratch=Scratch())
     torch.testing.assert_close(out.double(), naive, **TOL[dtype])
 
@@ -161,17 +160,13 @@ def _shared_groups(native, block_tables, seq_lens, hq, d, bs, dtype, window=0) -
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("g,d,bs", [(3, 64, 16), (4, 128, 16), (2, 80, 8), (8, 64, 32), (3, 64, 64)])
 def test_shared_prefix_attended_once_matches_naive(native, g, d, bs, dtype):
-    """A prefix shared by enough query rows (members x G: 16 in bfloat16 with AVX512-BF16, else 96) is
-    attended by the flash items once for all of them (its keys rounded down to 16: with blocks of 8,
-    the sequences go on from inside a block), each sequence then goes on over its own keys from their
-    softmax state (AVX-512 only); too few rows (3 sequences), too few keys (< 64) or none shared: the
-    per-sequence item."""
-    members = 8 if dtype == torch.bfloat16 else 48
-    k, v, tables, lens, query, naive = _shared_prefix_case(g, d, bs, dtype, members, seed=g + d + bs)
-    # AVX2 builds: 16 rows either way (the 8-lane flash item); AVX-512: 16 with bfloat16 pairs, else 96
-    min_rows = 16 if dtype == torch.bfloat16 and _native.cpu_has_bf16_pairs() or not _native.cpu_has_avx512() else 96
+    """A prefix shared by enough query rows (members x G >= 16) is attended by the flash items once for
+    all of them (its keys rounded down to 16: with blocks of 8, the sequences go on from inside a block),
+    each sequence then goes on over its own keys from their softmax state (AVX-512 or AVX2 only); too few
+    rows (3 sequences at G < 6), too few keys (< 64) or none shared: the per-sequence item."""
+    k, v, tables, lens, query, naive = _shared_prefix_case(g, d, bs, dtype, 8, seed=g + d + bs)
     flash = _native.cpu_has_avx512() or _native.cpu_has_avx2()
-    expected = (1 + (3 * g >= min_rows and 4 * bs >= 64)) if flash else 0
+    expected = (1 + (3 * g >= 16 and 4 * bs >= 64)) if flash else 0
     assert _shared_groups(native, tables, lens, HKV * g, d, bs, dtype) == expected
     assert _shared_groups(native, tables, lens, HKV * g, d, bs, dtype, window=4096) == 0  # windows: per sequence
     scratch = Scratch()

@@ -365,21 +365,23 @@ PS_DEFINE_ITEM_AVX2(ps_item_avx_bf16, uint16_t, PS_LOAD8_BF16, ps_store_bf16)
  *         phase 2: items of 32 (member, query head) rows over them, no mask -> state[i][head] (m, l, acc[D])
  *         phase 3: every sequence's item from `start` = its group's nkeys (0 outside groups), init = state
  */
-/* Query rows a group needs (members x G). Measured per layer, before -> after, two processes each
- * (2-core AMD EPYC Zen 5, 9 query / 3 KV heads, 1,024 shared tokens + 16-80 own, scratch reused):
- * bfloat16 pairs win from one part-filled item on (8 samples, 24 rows: 0.19 -> 0.10-0.16 ms; 4 x 16
- * sequences: 1.33-1.54 -> 0.55-0.92; 64: 1.28-1.31 -> 0.38-0.54); float32 items only with several
- * full ones (64 sequences, 192 rows: 1.36-1.39 -> 0.82-0.86; 2 x 32: 1.34-1.50 -> 1.03-1.08; 4 x 16,
- * 48 rows: 1.43 -> 1.6-1.9, slower; 8 samples: 0.17-0.19 -> 0.25-0.28, slower). */
+/* Query rows a group needs (members x G): one part-filled flash item already beats reading the prefix once
+ * per sequence, in both dtypes. Measured per layer, per-sequence -> shared, scratch reused, medians of 60
+ * (9 query / 3 KV heads, 1,024 shared tokens + 16-80 own unless said):
+ *   2-core AMD EPYC Zen 5, bfloat16 pairs: 8 samples (24 rows) 0.19 -> 0.10-0.16 ms; 4 x 16 sequences
+ *     1.33-1.54 -> 0.55-0.92; 64: 1.28-1.31 -> 0.38-0.54.
+ *   The same CPU, float32, after the flash items' later rounds (the threshold had been 96 rows, set when
+ *     48 measured slower): 8 samples 0.183-0.187 -> 0.135-0.138 ms; 2 x 8 over 512 0.180-0.187 -> 0.123;
+ *     4 x 16 1.52-1.63 -> 1.00-1.07; 64 0.59 both. Under 16 rows the items lose: 4 beams over 512 (12
+ *     rows) 0.06 -> 0.08, 2 samples (6 rows) 0.063 -> 0.13.
+ *   2-core Intel Xeon with AMX, float32, 4 x 16: ~9% faster shared.
+ *   AVX2 (flash_item.h's 8-lane item), 2-core AMD EPYC Zen 3, cold pool: 4 x 16 over 1,024 + 40 own,
+ *     48 rows: 4.1-4.8 -> 3.2-4.1 ms; 64 over 1,024 + 20: 3.3-4.4 -> 2.0-2.7 ms; 8 samples (24 rows):
+ *     0.77-0.90 -> 0.72-0.96 ms. */
 #if defined(PS_AVX512) || defined(PS_AVX2)
 #define PS_SHARED_FLASH 1 /* flash_item.h's items are vectorised for this CPU: shared prefixes use them */
 #endif
-#define PS_SHARED_MIN_ROWS_BF16 16
-#define PS_SHARED_MIN_ROWS_F32 96
-/* AVX2 (flash_item.h's 8-lane item), measured per layer on a 2-core AMD EPYC Zen 3, cold pool, before
- * -> after: 4 x 16 sequences over 1,024 shared + 40 own, 48 rows: 4.1-4.8 -> 3.2-4.1 ms; 64 over 1,024 +
- * 20: 3.3-4.4 -> 2.0-2.7 ms; 8 samples (24 rows): 0.77-0.90 -> 0.72-0.96 ms. */
-#define PS_SHARED_MIN_ROWS_AVX2 16
+#define PS_SHARED_MIN_ROWS 16
 #define PS_SHARED_MIN_KEYS 64
 
 typedef struct {
@@ -423,18 +425,6 @@ static int64_t ps_plan_shared(const int32_t *bt, const int32_t *lens, int64_t B,
     return ng;
 }
 
-static inline int64_t ps_shared_min_rows(int bf16) {
-#ifdef PS_PF_DP
-    if (bf16) return PS_SHARED_MIN_ROWS_BF16;
-#endif
-    (void)bf16;
-#ifdef PS_AVX2
-    return PS_SHARED_MIN_ROWS_AVX2;
-#else
-    return PS_SHARED_MIN_ROWS_F32;
-#endif
-}
-
 /* Whether a call's shared prefixes run on AMX tiles (bfloat16; flash_amx.h), their keys then a multiple of
  * PS_AMX_KEYS. */
 static inline int ps_shared_amx(int bf16, int64_t D) {
@@ -463,7 +453,7 @@ int64_t ps_decode_shared_groups(const int32_t *bt, const int32_t *lens, int64_t 
     if (!ps_shared_applies(B, D, window)) return 0;
     int64_t *ids = malloc(3 * B * sizeof(int64_t));
     ps_group *groups = malloc(B * sizeof(ps_group));
-    int64_t ng = ids && groups ? ps_plan_shared(bt, lens, B, BS, bt_stride, Hq / Hkv, ps_shared_min_rows((int)bf16),
+    int64_t ng = ids && groups ? ps_plan_shared(bt, lens, B, BS, bt_stride, Hq / Hkv, PS_SHARED_MIN_ROWS,
                                                 ps_shared_amx((int)bf16, D) ? PS_AMX_KEYS : 16, ids, ids + B, ids + 2 * B,
                                                 groups)
                                     : 0;
@@ -509,7 +499,7 @@ static int ps_shared_prepare(ps_shared *sh, const void *q, size_t elem, const in
     sh->local = sh->group_of + B;
     sh->order = sh->group_of + 2 * B;
     sh->amx = ps_shared_amx(elem == sizeof(uint16_t), D);
-    sh->ng = ps_plan_shared(bt, lens, B, BS, bt_stride, G, ps_shared_min_rows(elem == sizeof(uint16_t)),
+    sh->ng = ps_plan_shared(bt, lens, B, BS, bt_stride, G, PS_SHARED_MIN_ROWS,
                             sh->amx ? PS_AMX_KEYS : 16, sh->group_of,
                             sh->local, sh->order, sh->groups);
     if (!sh->ng) {
