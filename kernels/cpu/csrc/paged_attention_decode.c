@@ -553,6 +553,7 @@ static inline __attribute__((always_inline)) void ps_shared_run(
     if (!sh->ng) return;
     const int64_t Hq = sh->Hq, G = Hq / Hkv;
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int in_place = !bf16 && BS % 16 == 0; /* whole tiles only: nkeys is a multiple of 16 */
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < sh->chunks; ++w) {
         const ps_group *gr = sh->groups + ps_group_of_unit(sh, w, 1);
@@ -564,6 +565,7 @@ static inline __attribute__((always_inline)) void ps_shared_run(
             continue;
         }
 #endif
+        if (in_place) continue; /* the items read the shared keys where they are (ps_kv_rows) */
         ps_gather_chunk(kc, vc, bt + sh->order[gr->first] * bt_stride, p0, p0 + 16, BS, k_sb, k_ss, k_sh, v_sb, v_ss,
                         v_sh, h, Hkv, D, gr->nkeys, sh->ws + gr->ws_at, bf16);
     }
@@ -599,12 +601,15 @@ static inline __attribute__((always_inline)) void ps_shared_run(
         }
 #endif
         const float *Kh = base + h * lp * D, *Vh = Kh + Hkv * lp * D;
+        const ps_kv_rows src = in_place ? ps_kv_paged(kc, vc, bt + sh->order[gr->first] * bt_stride, h, k_sb, k_ss, k_sh,
+                                                      v_sb, v_ss, v_sh, BS, lp)
+                                        : PS_KV_GATHERED;
         if (D == 64)
-            ps_prefill_item(qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kh, Vh, lp, r0, gr->n * G, G, h, 64, scale, lp, st,
-                            bf16);
+            ps_prefill_item(qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kh, Vh, src, lp, r0, gr->n * G, G, h, 64, scale, lp,
+                            st, bf16);
         else
-            ps_prefill_item(qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kh, Vh, lp, r0, gr->n * G, G, h, D, scale, lp, st,
-                            bf16);
+            ps_prefill_item(qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kh, Vh, src, lp, r0, gr->n * G, G, h, D, scale, lp,
+                            st, bf16);
     }
 #else
     (void)sh, (void)kc, (void)vc, (void)bt, (void)Hkv, (void)D, (void)BS, (void)bt_stride, (void)k_sb, (void)k_ss;

@@ -47,7 +47,8 @@ static int64_t ps_owner(const int64_t *starts, int64_t n, int64_t w) {
 }
 
 #define PS_PF_ITEM_ARGS(D_, BF16_) \
-    qs, q_st, q_sh, os, o_st, o_sh, Kh, Vh, len[s] - ql, r0, ql * G, G, h, D_, scale, INT64_MAX, NULL, BF16_
+    qs, q_st, q_sh, os, o_st, o_sh, Kh, Vh, PS_KV_GATHERED, len[s] - ql, r0, ql * G, G, h, D_, scale, INT64_MAX, NULL, \
+        BF16_
 #define PS_PF_DP_ARGS(D_) \
     (const uint16_t *)qs, q_st, q_sh, (uint16_t *)os, o_st, o_sh, Kb, Vp, len[s] - ql, r0, ql * G, G, h, D_, scale, \
         INT64_MAX, NULL
