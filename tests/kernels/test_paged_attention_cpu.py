@@ -5,6 +5,7 @@ make any read past seq_len show up as NaN in the output.
 """
 import ctypes
 import dataclasses
+import itertools
 import shutil
 
 import pytest
@@ -333,6 +334,26 @@ def test_cpu_prefill_matches_naive_and_reference(native, kernel_only, g, d, bs, 
         torch.testing.assert_close(out.double(), naive, **TOL[dtype])
         if dtype == torch.bfloat16:
             assert ((out.double() - naive).abs() <= _bf16_prefill_bound(naive, kv, layer)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g,d,bs", [(3, 64, 16), (4, 128, 32), (2, 80, 8), (3, 64, 64)])
+def test_cpu_prefill_over_shared_blocks_matches_naive(native, kernel_only, g, d, bs, dtype):
+    """Questions under one cached system prompt (sequences whose leading block ids are the same, some
+    sharing more blocks than others, besides sequences sharing nothing) in one prefill: float32 items read
+    the shared blocks in place from the poisoned pool, the rest from the gathered rows; either way every
+    query matches the naive attention over its own sequence's keys."""
+    k, v, tables, lens, _, _ = _shared_prefix_case(g, d, bs, dtype, 8, seed=g + d + bs)
+    q_lens = [min(int(n), 1 + (5 * i) % 37) for i, n in enumerate(lens)]
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    query = torch.randn((int(qsl[-1]), HKV * g, d), generator=torch.Generator().manual_seed(7)).to(dtype)
+    out = paged_attention_prefill_cpu(query, k, v, tables, lens, qsl, d**-0.5)
+    for s, (table, n) in enumerate(zip(tables.tolist(), lens.tolist())):
+        ks = torch.cat([k[blk, :min(bs, n - j * bs)] for j, blk in enumerate(table[: -(-n // bs)])])
+        vs = torch.cat([v[blk, :min(bs, n - j * bs)] for j, blk in enumerate(table[: -(-n // bs)])])
+        q0, q1 = int(qsl[s]), int(qsl[s + 1])
+        naive = naive_attention(query[q0:q1], ks, vs, d**-0.5, range(n - (q1 - q0), n))
+        torch.testing.assert_close(out[q0:q1].double(), naive, **TOL[dtype])
 
 
 def _bf16_prefill_bound(naive, kv, layer):

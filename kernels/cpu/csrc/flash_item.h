@@ -47,13 +47,14 @@ static inline __attribute__((always_inline)) void ps_pf_store(void *p, int64_t i
 
 /* Where a float32 item reads its K and V rows: gathered at K / V (position rows D apart, zero past the
  * sequence's length), or, for each whole 16-key tile, in place in the paged cache, whose blocks (BS a
- * multiple of 16) hold a tile's rows k_ss / v_ss apart. Decode's shared prefixes read in place: their keys
- * are read by few items, and the gather copied them every step (per layer, 2-core AMD EPYC Zen 5, medians,
- * interleaved: 4 x 16 sequences over 1,024 shared keys 1.00 -> 0.83-0.92 ms, 8 samples 0.142 -> 0.117-0.130,
- * 2 x 8 over 512 0.127 -> 0.102-0.124). Prefill gathers: there every item of a sequence re-reads its keys,
- * and from the compact gathered rows that was faster (16 prompts of 64 after 1,024 cached keys each, every
- * block its own: 9.0 -> 10.2-11.9 ms in place; 1 x 2,048 13.7 -> 14.4-14.7). kc == NULL: everything
- * gathered (bfloat16 caches, widened by the gather). */
+ * multiple of 16) hold a tile's rows k_ss / v_ss apart, the next tile's rows prefetched into L2 (the
+ * gather's copy had done that for the items). Decode's shared prefixes read in place, and prefill the keys
+ * several of its sequences share (paged_attention_prefill.c, ps_shared_keys); keys one sequence reads alone
+ * stay gathered. Per layer, 2-core AMD EPYC Zen 5, medians, interleaved, caches flushed before each call
+ * as the weights' streaming does in a forward: the decode of GSP's 64 sequences (4 x 16 over 1,024 shared
+ * keys; their real block tables) 1.45-1.47 -> 1.30-1.33 ms (gathered -> in place; 1.73 in place without the
+ * prefetch); warm 0.93-0.96 -> 0.71-0.74. kc == NULL: everything gathered (bfloat16 caches, widened by the
+ * gather). */
 typedef struct {
     const float *kc, *vc; /* KV head h's column of the caches */
     const int32_t *bt;    /* the sequence's block table */
@@ -81,6 +82,15 @@ static inline __attribute__((always_inline)) void ps_kv_tile(const ps_kv_rows sr
         *vt = src.vc + blk * src.v_sb + t * src.v_ss;
         *ks = src.k_ss;
         *vs = src.v_ss;
+        if (k0 + 32 <= src.whole) { /* the next tile's rows into L2 while this one is computed */
+            const int64_t nblk = src.bt[(k0 + 16) / src.bs], nt = (k0 + 16) % src.bs;
+            const float *nk = src.kc + nblk * src.k_sb + nt * src.k_ss, *nv = src.vc + nblk * src.v_sb + nt * src.v_ss;
+            for (int r = 0; r < 16; ++r)
+                for (int64_t c = 0; c < D; c += 16) {
+                    __builtin_prefetch(nk + r * src.k_ss + c, 0, 2);
+                    __builtin_prefetch(nv + r * src.v_ss + c, 0, 2);
+                }
+        }
     } else {
         *kt = K + k0 * D;
         *vt = V + k0 * D;
