@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void ps_pf_store(void *p, int64_t i
  * prefetch); warm 0.93-0.96 -> 0.71-0.74. kc == NULL: everything gathered (bfloat16 caches, widened by the
  * gather). */
 typedef struct {
-    const float *kc, *vc; /* KV head h's column of the caches */
+    const float *kc, *vc; /* KV head h's column of the caches, or another sequence's gathered rows (bt NULL) */
     const int32_t *bt;    /* the sequence's block table */
     int64_t k_sb, k_ss, v_sb, v_ss, bs;
     int64_t whole; /* keys 0 .. whole-1 (a multiple of 16) are read in place */
@@ -76,7 +76,11 @@ static inline ps_kv_rows ps_kv_paged(const void *kc, const void *vc, const int32
 static inline __attribute__((always_inline)) void ps_kv_tile(const ps_kv_rows src, const float *K, const float *V,
                                                              const int64_t k0, const int64_t D, const float **kt,
                                                              const float **vt, int64_t *ks, int64_t *vs) {
-    if (src.kc && k0 + 16 <= src.whole) {
+    if (src.kc && !src.bt && k0 + 16 <= src.whole) { /* another sequence's gathered rows */
+        *kt = src.kc + k0 * D;
+        *vt = src.vc + k0 * D;
+        *ks = *vs = D;
+    } else if (src.kc && k0 + 16 <= src.whole) {
         const int64_t blk = src.bt[k0 / src.bs], t = k0 % src.bs;
         *kt = src.kc + blk * src.k_sb + t * src.k_ss;
         *vt = src.vc + blk * src.v_sb + t * src.v_ss;
@@ -373,6 +377,14 @@ static inline __attribute__((always_inline)) void ps_pf_finish16(__m512 ot[][PS_
     }
 }
 
+/* Keys 0 .. whole-1 of a bfloat16 item gathered in another sequence's rows (K rows, V pairs), which share
+ * them (paged_attention_prefill.c, ps_shared_keys); whole = 0: none. */
+typedef struct {
+    const uint16_t *K;
+    const uint32_t *V;
+    int64_t whole;
+} ps_kv_pairs;
+
 /* bfloat16 with AVX512-BF16: the item above with both products on vdpbf16ps, which multiplies 16
  * lanes of bf16 pairs and adds each pair's two products into a float32 lane, so one instruction does
  * the work of two FMAs. Gathered K stays bfloat16 in position rows (a pair of d is one 32-bit word);
@@ -382,9 +394,9 @@ static inline __attribute__((always_inline)) void ps_pf_finish16(__m512 ot[][PS_
  * largest |V| (tests/kernels/test_paged_attention_cpu.py). The scale is folded into the exp. */
 static inline __attribute__((always_inline)) void ps_prefill_item_dp(
     const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
-    const int64_t o_sh, const uint16_t *restrict K, const uint32_t *restrict V, const int64_t offset, const int64_t r0,
-    const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale, const int64_t kmax,
-    float *restrict state) {
+    const int64_t o_sh, const uint16_t *restrict K, const uint32_t *restrict V, const ps_kv_pairs shared,
+    const int64_t offset, const int64_t r0, const int64_t nrows, const int64_t G, const int64_t h, const int64_t D,
+    const float scale, const int64_t kmax, float *restrict state) {
     __m512bh qt[PS_PF_MAX_D / 2][PS_PF_NV]; /* lane r: q[row r][2i], q[row r][2i+1] */
     __m512 ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
     int64_t row_o[PS_PF_ROWS];
@@ -401,8 +413,9 @@ static inline __attribute__((always_inline)) void ps_prefill_item_dp(
     const int64_t last = r0 + PS_PF_ROWS - 1 < nrows ? r0 + PS_PF_ROWS - 1 : nrows - 1;
     const int64_t first_pos = offset + r0 / G, kseen = offset + last / G + 1, kend = kseen < kmax ? kseen : kmax;
     for (int64_t k0 = 0; k0 < kend; k0 += 16) {
-        const uint16_t *kt = K + k0 * D;
-        const uint32_t *vt = V + k0 / 2 * D; /* 8 position pairs of D words */
+        const int in_shared = k0 + 16 <= shared.whole;
+        const uint16_t *kt = (in_shared ? shared.K : K) + k0 * D;
+        const uint32_t *vt = (in_shared ? shared.V : V) + k0 / 2 * D; /* 8 position pairs of D words */
         __m512 s[PS_PF_NV][16];
         for (int t0 = 0; t0 < 16; t0 += PS_PF_KH) {
             __m512 acc[PS_PF_NV][PS_PF_KH];

@@ -592,10 +592,10 @@ static inline __attribute__((always_inline)) void ps_shared_run(
             const uint16_t *Kb = (const uint16_t *)base + h * lp * D;
             const uint32_t *Vp = (const uint32_t *)(base + Hkv * lp * D) + h * (lp / 2) * D;
             if (D == 64)
-                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, lp, r0, gr->n * G, G,
+                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, (ps_kv_pairs){0}, lp, r0, gr->n * G, G,
                                    h, 64, scale, lp, st);
             else
-                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, lp, r0, gr->n * G, G,
+                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, (ps_kv_pairs){0}, lp, r0, gr->n * G, G,
                                    h, D, scale, lp, st);
             continue;
         }

@@ -48,26 +48,27 @@ static int64_t ps_owner(const int64_t *starts, int64_t n, int64_t w) {
 
 /* Keys 0 .. whole[s]-1 of each sequence with queries that another sequence with queries also reads (the same
  * leading block ids: a cached system prompt under several questions), whole blocks only; 0 elsewhere.
- * Float32 items read those in place (flash_item.h's ps_kv_rows) and the gather skips them: in place, the
- * sharers read one copy, which stays in cache. Per layer, 2-core AMD EPYC Zen 5, interleaved medians: 16
- * prompts of 64 tokens after the same 1,024 cached 10.2-10.5 -> 7.2-7.5 ms, 4 such groups 38.4-39.1 ->
- * 31.9; with the caches flushed before each call, 8.5-8.9 -> 7.8-8.0 and 34.9-37.4 -> 31.2-31.4. Keys a
- * sequence reads alone stay gathered: every item of the sequence reads them again, and from the compact
- * gathered rows that measured faster (16 x 64 after 1,024 of their own, all in place: 9.0 -> 10.2-11.9 ms;
- * 1 x 2,048 13.7 -> 14.4-14.7). Each sequence is compared with the first one sharing its first block. */
+ * lead[s]: the sequence s was compared with, the first one sharing its first block (s itself for that one).
+ * Those keys are read once for all their sharers: float32 items read them in place (flash_item.h's
+ * ps_kv_rows), and bfloat16 ones from lead[s]'s gathered rows; the gather skips them either way.
+ * Per layer, 2-core AMD EPYC Zen 5, interleaved medians, float32: 16 prompts of 64 tokens after the same
+ * 1,024 cached 10.2-10.5 -> 7.2-7.5 ms, 4 such groups 38.4-39.1 -> 31.9; with the caches flushed before
+ * each call, 8.5-8.9 -> 7.8-8.0 and 34.9-37.4 -> 31.2-31.4. Keys a sequence reads alone stay gathered:
+ * every item of the sequence reads them again, and from the compact gathered rows that measured faster
+ * than in place (16 x 64 after 1,024 of their own: 9.0 -> 10.2-11.9 ms; 1 x 2,048 13.7 -> 14.4-14.7). */
 static void ps_shared_keys(const int32_t *bt, const int64_t *len, int64_t S, int64_t BS, int64_t bt_stride,
-                           int64_t *whole) {
-    for (int64_t s = 0; s < S; ++s) whole[s] = 0;
+                           int64_t *whole, int64_t *lead) {
+    for (int64_t s = 0; s < S; ++s) whole[s] = 0, lead[s] = s;
     for (int64_t s = 0; s < S; ++s) {
         if (len[s] < BS || whole[s]) continue;
-        const int32_t *lead = bt + s * bt_stride;
+        const int32_t *first = bt + s * bt_stride;
         for (int64_t o = s + 1; o < S; ++o) {
             const int32_t *row = bt + o * bt_stride;
-            if (len[o] < BS || row[0] != lead[0]) continue;
+            if (len[o] < BS || row[0] != first[0]) continue;
             const int64_t limit = (len[s] < len[o] ? len[s] : len[o]) / BS; /* whole blocks of both */
             int64_t c = 0;
-            while (c < limit && row[c] == lead[c]) ++c;
-            if (c * BS > whole[o]) whole[o] = c * BS;
+            while (c < limit && row[c] == first[c]) ++c;
+            if (c * BS > whole[o]) whole[o] = c * BS, lead[o] = s;
             if (c * BS > whole[s]) whole[s] = c * BS;
         }
     }
@@ -76,7 +77,7 @@ static void ps_shared_keys(const int32_t *bt, const int64_t *len, int64_t S, int
 #define PS_PF_ITEM_ARGS(D_, BF16_) \
     qs, q_st, q_sh, os, o_st, o_sh, Kh, Vh, src, len[s] - ql, r0, ql * G, G, h, D_, scale, INT64_MAX, NULL, BF16_
 #define PS_PF_DP_ARGS(D_) \
-    (const uint16_t *)qs, q_st, q_sh, (uint16_t *)os, o_st, o_sh, Kb, Vp, len[s] - ql, r0, ql * G, G, h, D_, scale, \
+    (const uint16_t *)qs, q_st, q_sh, (uint16_t *)os, o_st, o_sh, Kb, Vp, shared, len[s] - ql, r0, ql * G, G, h, D_, scale, \
         INT64_MAX, NULL
 #define PS_PF_ITEM_FOR_D(BF16_)                                               \
     do {                                                                      \
@@ -105,11 +106,11 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
     const int amx = 0;
 #endif
     const int64_t align = amx ? 32 : 16; /* gathered positions per head: a multiple of this */
-    int64_t *len = malloc(5 * (S + 1) * sizeof(int64_t)); /* positions read (0: no queries) */
+    int64_t *len = malloc(6 * (S + 1) * sizeof(int64_t)); /* positions read (0: no queries) */
     if (!len) return 2;
     /* prefix sums: ws offset of each sequence, gather chunks (16 positions of one head), items */
     int64_t *kv_at = len + S + 1, *chunk_at = kv_at + S + 1, *item_at = chunk_at + S + 1;
-    int64_t *whole = item_at + S + 1; /* keys read in place (ps_shared_keys) */
+    int64_t *whole = item_at + S + 1, *lead = whole + S + 1; /* keys read once for their sharers (ps_shared_keys) */
     kv_at[0] = chunk_at[0] = item_at[0] = 0;
     int64_t err = 0;
     for (int64_t s = 0; s < S && !err; ++s) {
@@ -123,12 +124,15 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
         item_at[s + 1] = item_at[s] + Hkv * ((ql * G + PS_PF_ROWS - 1) / PS_PF_ROWS);
     }
     if (!err && kv_at[S] > ws_floats) err = 2;
-    const int in_place = !bf16 && BS % 16 == 0; /* float32 items can read whole tiles from the cache */
-    if (in_place) ps_shared_keys(bt, len, S, BS, bt_stride, whole);
     if (err) {
         free(len);
         return err;
     }
+    /* float32 items read whole tiles from the cache (BS a multiple of 16); AMX items gather all their keys */
+    const int in_place = !bf16 && BS % 16 == 0, share = in_place || (bf16 && !amx);
+    if (share) ps_shared_keys(bt, len, S, BS, bt_stride, whole, lead);
+    else
+        for (int64_t s = 0; s < S; ++s) whole[s] = 0, lead[s] = s;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
@@ -136,7 +140,8 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
             const int64_t s = ps_owner(chunk_at, S, w), c = w - chunk_at[s], lp = (len[s] + align - 1) / align * align;
             const int64_t h = c / (lp / 16), p0 = c % (lp / 16) * 16;
             const int64_t p1 = p0 + 16 < len[s] ? p0 + 16 : len[s];
-            if (in_place && p0 + 16 <= whole[s]) continue; /* shared: read where it is */
+            if (p0 + 16 <= whole[s] && lead[s] != s) continue; /* shared: read in place or in lead[s]'s rows */
+            if (in_place && p0 + 16 <= whole[s]) continue;
 #ifdef PS_PF_AMX
             if (amx) {
                 ps_gather_chunk_amx(kc, vc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, h, Hkv,
@@ -171,14 +176,23 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
             if (bf16) {
                 const uint16_t *Kb = (const uint16_t *)(ws + kv_at[s]) + h * lp * D;
                 const uint32_t *Vp = (const uint32_t *)(ws + kv_at[s] + Hkv * lp * D) + h * (lp / 2) * D;
+                const int64_t ls = lead[s], llp = (len[ls] + align - 1) / align * align;
+                const ps_kv_pairs shared = {(const uint16_t *)(ws + kv_at[ls]) + h * llp * D,
+                                            (const uint32_t *)(ws + kv_at[ls] + Hkv * llp * D) + h * (llp / 2) * D,
+                                            ls == s ? 0 : whole[s]};
                 if (D == 64) ps_prefill_item_dp(PS_PF_DP_ARGS(64));
                 else ps_prefill_item_dp(PS_PF_DP_ARGS(D));
                 continue;
             }
 #endif
-            const ps_kv_rows src = in_place && whole[s] ? ps_kv_paged(kc, vc, bt + s * bt_stride, h, k_sb, k_ss, k_sh, v_sb,
-                                                                       v_ss, v_sh, BS, whole[s])
-                                                         : PS_KV_GATHERED;
+            ps_kv_rows src = PS_KV_GATHERED;
+            if (in_place && whole[s])
+                src = ps_kv_paged(kc, vc, bt + s * bt_stride, h, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, BS, whole[s]);
+            else if (lead[s] != s) { /* bfloat16 widened: lead[s]'s gathered float32 rows */
+                const int64_t ls = lead[s], llp = (len[ls] + align - 1) / align * align;
+                const float *Kl = ws + kv_at[ls] + h * llp * D;
+                src = (ps_kv_rows){Kl, Kl + Hkv * llp * D, NULL, 0, 0, 0, 0, 0, whole[s]};
+            }
             if (bf16) PS_PF_ITEM_FOR_D(1);
             else PS_PF_ITEM_FOR_D(0);
         }
