@@ -6,6 +6,9 @@ kernel op wrapped in a timer, and splits wall time into:
     elementwise (add_rms_norm, silu_mul, rope), copy_blocks, sampler, and the rest of the step
     (scheduling, tensor building, output processing, Python)
 
+(Where the ops fuse the MLP's gate_up linear with SiLU-and-multiply, linear_silu_mul on CPUs with the
+lanes kernels, that op counts as linear and silu_mul is absent.)
+
 Timers sit between ops, so the op times are exact and "rest" is what no op accounts for. Compare
 runs on a quiet machine only. Writes a table (JSON + PNG) under benchmarks/results/.
 
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import bar_plot, write_json  # noqa: E402
 from benchmarks._peer_jobs import MAX_NUM_SEQS, make_jobs  # noqa: E402
 
-OPS = ("linear", "add_rms_norm", "silu_mul", "rope", "store_kv", "paged_attention_decode",
+OPS = ("linear", "linear_silu_mul", "add_rms_norm", "silu_mul", "rope", "store_kv", "paged_attention_decode",
        "paged_attention_prefill", "copy_blocks")
 
 
@@ -42,6 +45,8 @@ class Tally:
             key = name
             if name == "linear":
                 key = "lm_head" if args[1].shape[0] > 8192 else f"linear_{self.phase}"
+            elif name == "linear_silu_mul":  # the MLP's gate_up with SiLU-and-multiply fused (CPU lanes kernels)
+                key = f"linear_{self.phase}"
             self.seconds[key] += time.perf_counter() - t0
             self.calls[key] += 1
             return out
@@ -56,7 +61,8 @@ def profile(model: str, dtype: str, job: dict) -> dict:
     tally = Tally()
     runner = core.runner
     ops = runner.ops
-    runner.model.bind_ops(dataclasses.replace(ops, **{n: tally.wrap(n, getattr(ops, n)) for n in OPS}))
+    runner.model.bind_ops(dataclasses.replace(ops, **{n: tally.wrap(n, getattr(ops, n)) for n in OPS
+                                                      if getattr(ops, n) is not None}))
     sampler = runner.sampler
 
     def timed_sampler(*a, **k):

@@ -24,6 +24,10 @@ class KernelOps:
     ``pack_weight(weight[N, K])`` returns a linear weight in the layout this backend's ``linear``
     reads fastest (an opaque oneDNN tensor on CPU; the weight itself elsewhere). The model packs
     each weight once, when it binds the set; ``linear`` takes either form.
+
+    ``linear_silu_mul(x, gate_up, bias)``: ``silu_mul(linear(x, gate_up, bias))`` in one op, the same
+    values, for a gate_up weight from ``pack_gate_up`` (which only this op reads); None where a backend has
+    no fused form (the model then calls the two ops).
     """
 
     name: str
@@ -38,6 +42,8 @@ class KernelOps:
     pack_weight: Callable[[torch.Tensor], torch.Tensor] = unpacked
     # Gemma's MLP activation; every backend binds the reference (its share of a Gemma step is small).
     gelu_tanh_mul: Callable[..., torch.Tensor] = gelu_tanh_mul_torch
+    linear_silu_mul: Callable[..., torch.Tensor] | None = None
+    pack_gate_up: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def debug_kernels() -> bool:

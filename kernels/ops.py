@@ -3,6 +3,8 @@
     linear(x[M,K], weight[N,K], bias[N] | None) -> [M,N]
     add_rms_norm(x[T,H], residual[T,H] | None, weight[H], eps) -> (out[T,H], new_residual[T,H])
     silu_mul(gate_up[T,2I]) -> [T,I]          gelu_tanh_mul(gate_up[T,2I]) -> [T,I]  (Gemma)
+    linear_silu_mul(x[T,K], gate_up, bias) -> [T,I]   silu_mul(linear(...)) in one op, gate_up from
+        pack_gate_up; None where a backend has no fused form (the model then calls the two)
     rope(x[T,NH,D], cos[T,D/2], sin[T,D/2]) -> [T,NH,D]     (may write into x; use the result)
     store_kv(key[T,Hkv,D], value[T,Hkv,D], k_cache, v_cache, slot_mapping[T]) -> None
     paged_attention_decode(query[B,Hq,D], k_cache, v_cache, block_tables, seq_lens, scale,

@@ -210,4 +210,15 @@ def with_quantized_linear(ops):
     def pack_weight(w):
         return w if isinstance(w, QuantizedWeight) else dense_pack(w)
 
-    return dataclasses.replace(ops, linear=linear, pack_weight=pack_weight)
+    if ops.linear_silu_mul is None:
+        return dataclasses.replace(ops, linear=linear, pack_weight=pack_weight)
+    dense_fused, dense_pack_gate_up, silu_mul = ops.linear_silu_mul, ops.pack_gate_up, ops.silu_mul
+
+    def linear_silu_mul(x, w, b=None):
+        return silu_mul(quantized_linear(x, w, b)) if isinstance(w, QuantizedWeight) else dense_fused(x, w, b)
+
+    def pack_gate_up(w):
+        return w if isinstance(w, QuantizedWeight) else dense_pack_gate_up(w)
+
+    return dataclasses.replace(ops, linear=linear, pack_weight=pack_weight, linear_silu_mul=linear_silu_mul,
+                               pack_gate_up=pack_gate_up)

@@ -13,6 +13,7 @@ head_dim]; each layer writes its new K/V into slots and reads all K/V through th
                 x = linear(attention(q, window_i, softcap), Wo, b); [Gemma: x = rms_norm(x)]
                 h, res = add_rms_norm(x, res)
                 x = linear(act_mul(linear(h, Wgu, b)), Wd, b);      [Gemma: x = rms_norm(x)]
+                    (SwiGLU where the ops fuse it: linear_silu_mul(h, Wgu, b), the same values)
     then:       out = add_rms_norm(x, res)
 
 act_mul is silu_mul, or gelu_tanh_mul for Gemma; Gemma's flags (engine/models/gemma.py) also scale
@@ -98,13 +99,15 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
 
     @classmethod
-    def of(cls, layer: DecoderLayer, pack: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
-        """The layer's tensors, linear weights in the layout the bound ops' linear reads (`pack`)."""
+    def of(cls, layer: DecoderLayer, pack: Callable[[torch.Tensor], torch.Tensor],
+           pack_gate_up: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
+        """The layer's tensors, linear weights in the layout the bound ops' linear reads (`pack`; gate_up:
+        `pack_gate_up`, the layout of the op the forward runs it through)."""
         a, m = layer.self_attn, layer.mlp
         sandwich = hasattr(layer, "pre_feedforward_layernorm")
         mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         return cls(layer.input_layernorm.weight, pack(a.qkv_proj.weight), a.qkv_proj.bias, pack(a.o_proj.weight),
-                   a.o_proj.bias, mlp_norm.weight, pack(m.gate_up_proj.weight),
+                   a.o_proj.bias, mlp_norm.weight, pack_gate_up(m.gate_up_proj.weight),
                    m.gate_up_proj.bias, pack(m.down_proj.weight), m.down_proj.bias,
                    getattr(getattr(a, "q_norm", None), "weight", None), getattr(getattr(a, "k_norm", None), "weight", None),
                    layer.post_attention_layernorm.weight if sandwich else None,
@@ -140,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.local_inv_freq: torch.Tensor | None = None  # [D/2]: the sliding-window layers' own rope (Gemma 3)
         self.rope_scaling = rope_scaling
         self.ops: KernelOps | None = None  # bound once at load (bind_ops)
+        self._fused_mlp = False  # gate_up and SiLU-and-multiply through ops.linear_silu_mul (bind_ops)
         self._layers: tuple[LayerWeights, ...] = ()
         self._lm_head: torch.Tensor | None = None  # lm_head.weight as the bound ops' linear reads it
 
@@ -155,7 +159,10 @@ class LlamaForCausalLM(nn.Module):
         if ops.name == "cpu" and any(p.dtype != dtype or not p.is_contiguous() for p in self.parameters()):
             raise ValueError("the cpu ops need every weight contiguous in the model dtype")
         self.ops = ops
-        self._layers = tuple(LayerWeights.of(layer, ops.pack_weight) for layer in self.model.layers)
+        # SwiGLU in one op where the backend fuses it (CPU lanes kernels); Gemma's GELU MLP in two.
+        self._fused_mlp = ops.linear_silu_mul is not None and self.config.hidden_act == "silu"
+        pack_gate_up = ops.pack_gate_up if self._fused_mlp else ops.pack_weight
+        self._layers = tuple(LayerWeights.of(layer, ops.pack_weight, pack_gate_up) for layer in self.model.layers)
         head = self.lm_head.weight
         if isinstance(head, QuantizedWeight):  # an int8 table: prepacked for oneDNN's int8 matmul where torch has it
             self._lm_head = with_onednn_int8(head) if ops.name == "cpu" else head
@@ -217,8 +224,11 @@ class LlamaForCausalLM(nn.Module):
             if w.attn_out_norm is not None:  # Gemma: normalise the attention output before the residual add
                 x = ops.add_rms_norm(x, None, w.attn_out_norm, eps)[0]
             h, residual = ops.add_rms_norm(x, residual, w.norm2, eps)
-            x = self.tp.all_reduce(ops.linear(act_mul(ops.linear(h, w.gate_up, w.gate_up_bias)), w.down,
-                                              w.down_bias))  # [T, hidden]
+            if self._fused_mlp:
+                gated = ops.linear_silu_mul(h, w.gate_up, w.gate_up_bias)  # [T, I]
+            else:
+                gated = act_mul(ops.linear(h, w.gate_up, w.gate_up_bias))  # [T, I]
+            x = self.tp.all_reduce(ops.linear(gated, w.down, w.down_bias))  # [T, hidden]
             if w.mlp_out_norm is not None:
                 x = ops.add_rms_norm(x, None, w.mlp_out_norm, eps)[0]
         return ops.add_rms_norm(x, residual, self.model.norm.weight, eps)[0]  # [T, hidden]

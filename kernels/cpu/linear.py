@@ -41,13 +41,16 @@ class CpuLinearWeight:
     - ``packed``: oneDNN's packed copy (onednn_linear.pack_weight) for the other row counts, or None
       where ``small`` takes every row count (``small_rows`` == EVERY_ROW).
 
-    ``shape`` is the weight's (N, K)."""
+    ``shape`` is the weight's (N, K). ``gated``: an MLP's gate_up weight [2I, K] whose ``small`` is the
+    gated lanes layout (:func:`pack_lanes_gated`), which only the fused gate_up + SiLU-and-multiply reads
+    (ops' ``linear_silu_mul``; ``packed`` is the plain weight's)."""
 
     small: torch.Tensor
     packed: torch.Tensor | None
     shape: tuple[int, int]
     lanes: bool
     small_rows: int
+    gated: bool = False
 
 
 LANES = 32  # output columns per block of the lanes layout (csrc/lanes_linear.c)
@@ -63,6 +66,19 @@ def pack_lanes(weight: torch.Tensor) -> torch.Tensor:
         return w.view(-1, LANES, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()  # [Np/32, Kp/2, 32, 2]
     w = F.pad(w, (0, 0, 0, -n % LANES))  # [Np, K]
     return w.view(-1, LANES, k).permute(0, 2, 1).contiguous()  # [Np/32, K, 32]
+
+
+def pack_lanes_gated(weight: torch.Tensor) -> torch.Tensor:
+    """An MLP's gate_up weight [2I, K] (gate rows, then up rows) -> the lanes layout of its rows reordered
+    so that each block of 32 holds 16 gate rows and the same 16 up rows (csrc/lanes_linear.c, NAME_gated),
+    each half zero-padded to a multiple of 16 rows."""
+    i2, k = weight.shape
+    if i2 % 2:
+        raise ValueError(f"gate_up weight must have an even number of rows, got {i2}")
+    half = LANES // 2
+    gate, up = (F.pad(w, (0, 0, 0, -(i2 // 2) % half)) for w in weight.detach().chunk(2))  # [Ip, K] each
+    pairs = torch.stack((gate.view(-1, half, k), up.view(-1, half, k)), 1)  # [Ip/16, 2, 16, K]
+    return pack_lanes(pairs.reshape(-1, k))
 
 
 def has_lanes(dtype: torch.dtype) -> bool:
@@ -104,9 +120,19 @@ def lanes_linear(x: torch.Tensor, weight: CpuLinearWeight, bias: torch.Tensor | 
     return _call_checked(native_kernels().lanes_for(x.dtype), "lanes linear", x, weight.small, weight.shape, bias)
 
 
+def lanes_linear_silu_mul(x: torch.Tensor, weight: CpuLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_mul(x [M, K] @ the gated lanes weight^T (+ bias)) -> [M, I], operands checked (the bound ops skip
+    this): the values of linear then silu_mul, bit for bit, in one pass."""
+    if x.dtype != weight.small.dtype:
+        raise ValueError(f"lanes linear_silu_mul: x must be {weight.small.dtype}, got {x.dtype}")
+    return _call_checked(native_kernels().lanes_gated_for(x.dtype), "lanes linear_silu_mul", x, weight.small,
+                         weight.shape, bias, out_cols=weight.shape[0] // 2)
+
+
 def _call_checked(kernel, name: str, x: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int],
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """Checks x [M, K] and bias [N] against the weight's (N, K) = shape, then runs the C entry point."""
+                  bias: torch.Tensor | None, out_cols: int | None = None) -> torch.Tensor:
+    """Checks x [M, K] and bias [N] against the weight's (N, K) = shape, then runs the C entry point, whose
+    output has out_cols columns (default N)."""
     n, k = shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"{name}: x must be [M, {k}], got {tuple(x.shape)}")
@@ -115,9 +141,10 @@ def _call_checked(kernel, name: str, x: torch.Tensor, weight: torch.Tensor, shap
     if x.stride(1) != 1:
         x = x.contiguous()
     b = None if bias is None else bias.contiguous()
-    out = torch.empty((x.shape[0], n), dtype=x.dtype)  # [M, N]
-    kernel(x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(), x.shape[0], n, k,
-           x.stride(0), n, torch.get_num_threads())
+    cols = n if out_cols is None else out_cols
+    out = torch.empty((x.shape[0], cols), dtype=x.dtype)  # [M, N] (gated: [M, I])
+    kernel(x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(), x.shape[0], cols, k,
+           x.stride(0), cols, torch.get_num_threads())
     return out
 
 

@@ -99,6 +99,8 @@ class NativeKernels:
     lanes_bf16: ctypes._CFuncPtr | None  # ... and without AVX512-BF16
     race: ctypes._CFuncPtr  # sampling's exponential race (csrc/top_p.c)
     prefill_amx: bool  # bfloat16 prefill (head_dim a multiple of 64) on AMX tiles (csrc/flash_amx.h)
+    lanes_gated_f32: ctypes._CFuncPtr | None = None  # gate_up linear + SiLU-and-multiply on the gated lanes layout
+    lanes_gated_bf16: ctypes._CFuncPtr | None = None  # (csrc/lanes_linear.c); None where lanes_* is
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
     # stack alike. Callers check the dtype with has_dtype first.
@@ -117,6 +119,9 @@ class NativeKernels:
 
     def lanes_for(self, dtype) -> ctypes._CFuncPtr | None:
         return self.lanes_f32 if DTYPE_SUFFIX[dtype] == "f32" else self.lanes_bf16
+
+    def lanes_gated_for(self, dtype) -> ctypes._CFuncPtr | None:
+        return self.lanes_gated_f32 if DTYPE_SUFFIX[dtype] == "f32" else self.lanes_gated_bf16
 
     def elementwise_for(self, op: str, dtype) -> ctypes._CFuncPtr:
         return self.elementwise[f"{op}_{DTYPE_SUFFIX[dtype]}"]
@@ -225,15 +230,18 @@ def _load(path: Path) -> NativeKernels:
     int4_linear = lib.ps_int4_linear if lib.ps_int4_linear_available() else None
     lib.ps_top_k_top_p.argtypes, lib.ps_top_k_top_p.restype = TOP_P_ARGTYPES, ctypes.c_int64
     lib.ps_race.argtypes, lib.ps_race.restype = RACE_ARGTYPES, None
-    lanes = []
+    lanes, gated = [], []
     for dtype in ("f32", "bf16"):
         fn, available = getattr(lib, f"ps_lanes_linear_{dtype}"), getattr(lib, f"ps_lanes_{dtype}_available")
+        fused = getattr(lib, f"ps_lanes_linear_{dtype}_gated")
         fn.argtypes, fn.restype, available.restype = LINEAR_ARGTYPES, None, ctypes.c_int64
+        fused.argtypes, fused.restype = LINEAR_ARGTYPES, None
         lanes.append(fn if available() else None)
+        gated.append(fused if available() else None)
     return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, int4_linear, elementwise,
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
                          lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes, lib.ps_race,
-                         bool(lib.ps_prefill_on_amx()))
+                         bool(lib.ps_prefill_on_amx()), *gated)
 
 
 @functools.cache

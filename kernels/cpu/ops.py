@@ -27,6 +27,7 @@ on the machine it was tuned on.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -37,8 +38,8 @@ from . import onednn_linear
 from .native import NativeKernels, native_kernels
 from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
-from .linear import (EVERY_ROW, CpuLinearWeight, c_kernel_rows, covers, has_lanes, lanes_linear, linear_covered,
-                     pack_lanes, rows_covered)
+from .linear import (EVERY_ROW, CpuLinearWeight, c_kernel_rows, covers, has_lanes, lanes_linear, lanes_linear_silu_mul,
+                     linear_covered, pack_lanes, pack_lanes_gated, rows_covered)
 from ..interface import KernelOps
 from .paged_attention import call_decode, paged_attention_decode_cpu, paged_attention_prefill_cpu
 from .scratch import Scratch
@@ -65,7 +66,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def checked_cpu_ops() -> KernelOps:
     """The launchers: every call checked, the references wherever a C kernel does not apply."""
     return KernelOps("cpu", _checked_linear, add_rms_norm_cpu, silu_mul_cpu, rope_cpu, store_kv_cpu,
-                     paged_attention_decode_cpu, paged_attention_prefill_cpu, copy_blocks_torch, pack_weight)
+                     paged_attention_decode_cpu, paged_attention_prefill_cpu, copy_blocks_torch, pack_weight,
+                     linear_silu_mul=_checked_linear_silu_mul, pack_gate_up=pack_gate_up)
 
 
 def pack_weight(weight):
@@ -81,7 +83,26 @@ def pack_weight(weight):
     return CpuLinearWeight(small, packed, tuple(weight.shape), lanes, rows)
 
 
+def pack_gate_up(weight):
+    """An MLP's gate_up weight [2I, K] for linear_silu_mul: as pack_weight, with the lanes form reordered for
+    the fused gate_up + SiLU-and-multiply (linear.pack_lanes_gated) where the CPU has the lanes kernel."""
+    packed = pack_weight(weight)
+    if type(packed) is not CpuLinearWeight or not packed.lanes:
+        return packed
+    return dataclasses.replace(packed, small=pack_lanes_gated(weight), gated=True)
+
+
+def _checked_linear_silu_mul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if type(weight) is CpuLinearWeight and weight.gated:
+        if x.dim() == 2 and x.shape[0] <= weight.small_rows:
+            return lanes_linear_silu_mul(x, weight, bias)
+        weight = weight.packed
+    return silu_mul_cpu(_checked_linear(x, weight, bias))
+
+
 def _checked_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if type(weight) is CpuLinearWeight and weight.gated:
+        raise ValueError("a gate_up weight packed for linear_silu_mul (pack_gate_up) goes to linear_silu_mul")
     if type(weight) is CpuLinearWeight:
         if x.dim() == 2 and x.shape[0] <= weight.small_rows:
             return lanes_linear(x, weight, bias) if weight.lanes else linear_covered(x, weight.small, bias)
@@ -121,12 +142,13 @@ class _BoundCpuOps:
         self.silu_mul_fn = native.elementwise_for("silu_mul", dtype)
         self.rope_fn = native.elementwise_for("rope", dtype)
         self.decode_fn = native.decode_for(dtype)
+        self.gated_linear = native.lanes_gated_for(dtype)
         self.scratch = Scratch()  # the attention kernels' gathers, reused every layer and step
 
     def ops(self) -> KernelOps:
         return KernelOps("cpu", self.linear, self.add_rms_norm, self.silu_mul, self.rope, self.store_kv,
                          self.decode, functools.partial(paged_attention_prefill_cpu, scratch=self.scratch),
-                         copy_blocks_torch, pack_weight)
+                         copy_blocks_torch, pack_weight, linear_silu_mul=self.linear_silu_mul, pack_gate_up=pack_gate_up)
 
     # x: [M, K] rows contiguous; weight [N, K] and bias [N] contiguous, all in the bound dtype.
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,6 +172,19 @@ class _BoundCpuOps:
         kernel(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                m, n, k, x.stride(0), n, torch.get_num_threads())
         return out
+
+    # x: [M, K] rows contiguous; gate_up from pack_gate_up ([2I, K]: gate rows, then up rows), bias [2I].
+    def linear_silu_mul(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        m = x.shape[0]
+        if type(weight) is CpuLinearWeight and weight.gated:
+            if m <= weight.small_rows:  # one pass: csrc/lanes_linear.c NAME_gated
+                k, i = weight.shape[1], weight.shape[0] // 2
+                out = torch.empty((m, i), dtype=self.dtype)  # [M, I]
+                self.gated_linear(x.data_ptr(), weight.small.data_ptr(), None if bias is None else bias.data_ptr(),
+                                  out.data_ptr(), m, i, k, x.stride(0), i, torch.get_num_threads())
+                return out
+            weight = weight.packed
+        return self.silu_mul(self.linear(x, weight, bias))
 
     # x, residual: [T, H] contiguous. Writes the new residual into `residual` (layer 0: it is x).
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

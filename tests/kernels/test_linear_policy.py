@@ -111,3 +111,49 @@ def test_the_machines_policy_names_a_kernel_that_exists():
         rows = c_kernel_rows(dtype)
         if rows and not has_lanes(dtype):
             assert rows <= max(rows_covered(native, dtype))  # the row kernel on the plain weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("checked", [False, True])
+def test_gate_up_with_silu_mul_in_one_pass_gives_the_two_ops_values(monkeypatch, dtype, amx, checked):
+    """linear_silu_mul on a weight from pack_gate_up: bit for bit what linear then silu_mul give, at every
+    row count (AMX: the fused kernel up to 64 float32 rows / 1 bfloat16 row, then oneDNN's copy and
+    silu_mul); I not a multiple of 16 (the gated blocks' padding), odd K, with and without bias."""
+    if not has_lanes(dtype):
+        pytest.skip(f"no lanes kernel for {dtype} on this CPU")
+    import kernels.cpu.linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "cpu_has_amx", lambda: amx)
+    ops = ops_mod.cpu_ops(dtype, checked=checked)
+    torch.manual_seed(5)
+    i, k = 37, 45
+    w, b = (torch.randn(2 * i, k) / 4).to(dtype), torch.randn(2 * i).to(dtype)
+    gate_up, plain = ops.pack_gate_up(w), ops.pack_weight(w)
+    assert type(gate_up) is CpuLinearWeight and gate_up.gated and gate_up.shape == (2 * i, k)
+    for rows in (1, 3, 8, 9, 17, 64, 65, 130):
+        x = torch.randn(rows, k).to(dtype)
+        for bias in (None, b):
+            out = ops.linear_silu_mul(x, gate_up, bias)
+            assert out.shape == (rows, i) and out.dtype == dtype
+            assert torch.equal(out, ops.silu_mul(ops.linear(x, plain, bias)))
+
+
+def test_gated_lanes_layout_pairs_16_gate_rows_with_their_up_rows():
+    from kernels.cpu.linear import pack_lanes_gated
+
+    i = 20  # two blocks: rows 0-15 and 16-19 (+ 12 zero rows) of each half
+    w = torch.arange(2 * i, dtype=torch.float32)[:, None].expand(2 * i, 3).contiguous()  # row r holds r
+    lanes = pack_lanes_gated(w)
+    assert lanes.shape == (2, 3, 32)  # [blocks, K, 16 gate + 16 up columns]
+    assert lanes[0, 0, :16].tolist() == list(range(16)) and lanes[0, 0, 16:].tolist() == list(range(20, 36))
+    assert lanes[1, 2, :4].tolist() == [16, 17, 18, 19] and lanes[1, 2, 16:20].tolist() == [36, 37, 38, 39]
+    assert bool((lanes[1, :, 4:16] == 0).all()) and bool((lanes[1, :, 20:] == 0).all())
+
+
+def test_a_gate_up_packed_for_the_fused_op_is_refused_by_linear():
+    if not has_lanes(torch.float32):
+        pytest.skip("no lanes kernel here")
+    ops = ops_mod.cpu_ops(torch.float32, checked=True)
+    with pytest.raises(ValueError, match="linear_silu_mul"):
+        ops.linear(torch.randn(2, 16), ops.pack_gate_up(torch.randn(64, 16)))

@@ -25,4 +25,11 @@
 #define PS_BF16_OUT(x) ps_f32_to_bf16(x)
 #define PS_BF16_R(x) ps_bf16_to_f32(ps_f32_to_bf16(x))
 
+#ifdef PS_AVX512
+/* silu(a) = a / (1 + exp(-a)), as torch computes it, 16 lanes (silu_mul.c; lanes_linear.c's fused gate_up). */
+static inline __m512 ps_silu16(__m512 a) {
+    return _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), ps_exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+}
+#endif
+
 #endif

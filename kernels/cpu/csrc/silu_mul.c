@@ -5,9 +5,6 @@
  * silu(g) = g / (1 + exp(-g)), as torch computes it. gcc leaves the scalar exp unvectorized, so
  * with AVX-512 the row goes 16 lanes at a time (the tail masked); the scalar loop is the fallback. */
 #ifdef PS_AVX512
-static inline __m512 ps_silu16(__m512 a) {
-    return _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), ps_exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
-}
 static inline void ps_silu_mul_row_f32(const float *g, const float *u, float *o, int64_t I) {
     for (int64_t i = 0; i < I; i += 16) {
         const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1u);
