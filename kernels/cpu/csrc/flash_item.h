@@ -377,13 +377,36 @@ static inline __attribute__((always_inline)) void ps_pf_finish16(__m512 ot[][PS_
     }
 }
 
-/* Keys 0 .. whole-1 of a bfloat16 item gathered in another sequence's rows (K rows, V pairs), which share
- * them (paged_attention_prefill.c, ps_shared_keys); whole = 0: none. */
+/* Keys 0 .. whole-1 of a bfloat16 item (whole = 0: none) read elsewhere than its own gathered rows: in
+ * another sequence's gathered rows (K rows, V pairs; prefill's sharers, paged_attention_prefill.c
+ * ps_shared_keys), or, with kc set, in place in the paged cache (decode's shared prefixes: blocks of a
+ * multiple of 16 positions), each tile's V rows paired into the item's own buffer (ps_vpairs_tile) and the
+ * next tile prefetched. In place, GSP's bfloat16 decode (64 sequences over 4 shared 1,024-token prompts,
+ * their real block tables, caches flushed before each call) spent 0.35-0.45 of its 1.0-1.14 ms per layer
+ * gathering the prefixes every step. */
 typedef struct {
     const uint16_t *K;
     const uint32_t *V;
     int64_t whole;
+    const uint16_t *kc, *vc; /* KV head h's column of the caches (NULL: K / V above) */
+    const int32_t *bt;
+    int64_t k_sb, k_ss, v_sb, v_ss, bs;
 } ps_kv_pairs;
+
+/* 16 position rows of V (rows v_ss apart) as 8 position pairs: dst[u * D + d] = v[2u][d] | v[2u + 1][d] << 16,
+ * ps_gather_vpairs' layout for one tile. */
+static inline __attribute__((always_inline)) void ps_vpairs_tile(const uint16_t *restrict v, const int64_t v_ss,
+                                                                 const int64_t D, uint32_t *restrict dst) {
+    for (int u = 0; u < 8; ++u) {
+        const uint16_t *a = v + 2 * u * v_ss, *b = a + v_ss;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __mmask16 mk = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a + d));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, b + d));
+            _mm512_mask_storeu_epi32(dst + u * D + d, mk, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
 
 /* bfloat16 with AVX512-BF16: the item above with both products on vdpbf16ps, which multiplies 16
  * lanes of bf16 pairs and adds each pair's two products into a float32 lane, so one instruction does
@@ -412,19 +435,38 @@ static inline __attribute__((always_inline)) void ps_prefill_item_dp(
     }
     const int64_t last = r0 + PS_PF_ROWS - 1 < nrows ? r0 + PS_PF_ROWS - 1 : nrows - 1;
     const int64_t first_pos = offset + r0 / G, kseen = offset + last / G + 1, kend = kseen < kmax ? kseen : kmax;
+    uint32_t vbuf[8 * PS_PF_MAX_D] __attribute__((aligned(64))); /* a tile's V pairs, read in place */
     for (int64_t k0 = 0; k0 < kend; k0 += 16) {
-        const int in_shared = k0 + 16 <= shared.whole;
-        const uint16_t *kt = (in_shared ? shared.K : K) + k0 * D;
-        const uint32_t *vt = (in_shared ? shared.V : V) + k0 / 2 * D; /* 8 position pairs of D words */
+        const uint16_t *kt = K + k0 * D;
+        const uint32_t *vt = V + k0 / 2 * D; /* 8 position pairs of D words */
+        int64_t ks = D;                      /* K's row stride */
+        if (k0 + 16 <= shared.whole && shared.kc) {
+            const int64_t blk = shared.bt[k0 / shared.bs], t = k0 % shared.bs;
+            kt = shared.kc + blk * shared.k_sb + t * shared.k_ss;
+            ks = shared.k_ss;
+            ps_vpairs_tile(shared.vc + blk * shared.v_sb + t * shared.v_ss, shared.v_ss, D, vbuf);
+            vt = vbuf;
+            if (k0 + 32 <= shared.whole) { /* the next tile's rows into L2 while this one is computed */
+                const int64_t nb = shared.bt[(k0 + 16) / shared.bs], nt = (k0 + 16) % shared.bs;
+                for (int r = 0; r < 16; ++r)
+                    for (int64_t c = 0; c < D; c += 32) {
+                        __builtin_prefetch(shared.kc + nb * shared.k_sb + (nt + r) * shared.k_ss + c, 0, 2);
+                        __builtin_prefetch(shared.vc + nb * shared.v_sb + (nt + r) * shared.v_ss + c, 0, 2);
+                    }
+            }
+        } else if (k0 + 16 <= shared.whole) {
+            kt = shared.K + k0 * D;
+            vt = shared.V + k0 / 2 * D;
+        }
         __m512 s[PS_PF_NV][16];
         for (int t0 = 0; t0 < 16; t0 += PS_PF_KH) {
             __m512 acc[PS_PF_NV][PS_PF_KH];
             for (int j = 0; j < PS_PF_NV; ++j)
                 for (int t = 0; t < PS_PF_KH; ++t) acc[j][t] = _mm512_setzero_ps();
-            const uint16_t *kd = kt + t0 * D;
+            const uint16_t *kd = kt + t0 * ks;
             for (int64_t i = 0; i < D / 2; ++i, kd += 2)
                 for (int t = 0; t < PS_PF_KH; ++t) {
-                    const __m512bh kb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(kd + t * D));
+                    const __m512bh kb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(kd + t * ks));
                     for (int j = 0; j < PS_PF_NV; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qt[i][j], kb);
                 }
             for (int j = 0; j < PS_PF_NV; ++j)

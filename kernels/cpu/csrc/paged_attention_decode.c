@@ -553,7 +553,14 @@ static inline __attribute__((always_inline)) void ps_shared_run(
     if (!sh->ng) return;
     const int64_t Hq = sh->Hq, G = Hq / Hkv;
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
-    const int in_place = !bf16 && BS % 16 == 0; /* whole tiles only: nkeys is a multiple of 16 */
+#ifdef PS_PF_DP
+    const int pairs_item = 1; /* bfloat16 runs ps_prefill_item_dp, which can read its tiles in place */
+#else
+    const int pairs_item = 0;
+#endif
+    /* the items read the shared keys in place (ps_kv_rows / ps_kv_pairs), whole tiles only: nkeys is a
+     * multiple of 16; AMX items and the widened bfloat16 item read gathered keys */
+    const int in_place = BS % 16 == 0 && !sh->amx && (!bf16 || pairs_item);
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < sh->chunks; ++w) {
         const ps_group *gr = sh->groups + ps_group_of_unit(sh, w, 1);
@@ -565,7 +572,7 @@ static inline __attribute__((always_inline)) void ps_shared_run(
             continue;
         }
 #endif
-        if (in_place) continue; /* the items read the shared keys where they are (ps_kv_rows) */
+        if (in_place) continue; /* the items read the shared keys where they are */
         ps_gather_chunk(kc, vc, bt + sh->order[gr->first] * bt_stride, p0, p0 + 16, BS, k_sb, k_ss, k_sh, v_sb, v_ss,
                         v_sh, h, Hkv, D, gr->nkeys, sh->ws + gr->ws_at, bf16);
     }
@@ -591,11 +598,14 @@ static inline __attribute__((always_inline)) void ps_shared_run(
         if (bf16) {
             const uint16_t *Kb = (const uint16_t *)base + h * lp * D;
             const uint32_t *Vp = (const uint32_t *)(base + Hkv * lp * D) + h * (lp / 2) * D;
+            const ps_kv_pairs shared = {NULL, NULL, in_place ? lp : 0, (const uint16_t *)kc + h * k_sh,
+                                        (const uint16_t *)vc + h * v_sh, bt + sh->order[gr->first] * bt_stride,
+                                        k_sb, k_ss, v_sb, v_ss, BS};
             if (D == 64)
-                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, (ps_kv_pairs){0}, lp, r0, gr->n * G, G,
+                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, shared, lp, r0, gr->n * G, G,
                                    h, 64, scale, lp, st);
             else
-                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, (ps_kv_pairs){0}, lp, r0, gr->n * G, G,
+                ps_prefill_item_dp((const uint16_t *)qg, Hq * D, D, NULL, Hq * (D + 2), D + 2, Kb, Vp, shared, lp, r0, gr->n * G, G,
                                    h, D, scale, lp, st);
             continue;
         }

@@ -179,7 +179,7 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
                 const int64_t ls = lead[s], llp = (len[ls] + align - 1) / align * align;
                 const ps_kv_pairs shared = {(const uint16_t *)(ws + kv_at[ls]) + h * llp * D,
                                             (const uint32_t *)(ws + kv_at[ls] + Hkv * llp * D) + h * (llp / 2) * D,
-                                            ls == s ? 0 : whole[s]};
+                                            ls == s ? 0 : whole[s], NULL, NULL, NULL, 0, 0, 0, 0, 0};
                 if (D == 64) ps_prefill_item_dp(PS_PF_DP_ARGS(64));
                 else ps_prefill_item_dp(PS_PF_DP_ARGS(D));
                 continue;
