@@ -27,7 +27,6 @@ on the machine it was tuned on.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 
@@ -70,26 +69,25 @@ def checked_cpu_ops() -> KernelOps:
                      linear_silu_mul=_checked_linear_silu_mul, pack_gate_up=pack_gate_up)
 
 
-def pack_weight(weight):
+def pack_weight(weight, *, gated: bool = False):
     """A float32 / bfloat16 weight in the forms the bound linear reads on this CPU (linear.CpuLinearWeight,
     linear.c_kernel_rows): the lanes layout for every row count (AVX-512 without AMX), or beside
-    oneDNN's packed copy for a few rows; oneDNN's packed copy alone elsewhere; anything else as is."""
+    oneDNN's packed copy for a few rows; oneDNN's packed copy alone elsewhere; anything else as is.
+    ``gated``: an MLP's gate_up [2I, K] for linear_silu_mul, its lanes form reordered for the fused kernel
+    (linear.pack_lanes_gated)."""
     rows = c_kernel_rows(weight.dtype) if (weight.dim() == 2 and weight.device.type == "cpu") else 0
     if rows == 0:
         return onednn_linear.pack_weight(weight)
     lanes = has_lanes(weight.dtype)
-    small = pack_lanes(weight) if lanes else weight.detach().contiguous()
+    small = (pack_lanes_gated if gated else pack_lanes)(weight) if lanes else weight.detach().contiguous()
     packed = None if rows == EVERY_ROW else onednn_linear.pack_weight(weight)
-    return CpuLinearWeight(small, packed, tuple(weight.shape), lanes, rows)
+    return CpuLinearWeight(small, packed, tuple(weight.shape), lanes, rows, gated and lanes)
 
 
 def pack_gate_up(weight):
-    """An MLP's gate_up weight [2I, K] for linear_silu_mul: as pack_weight, with the lanes form reordered for
-    the fused gate_up + SiLU-and-multiply (linear.pack_lanes_gated) where the CPU has the lanes kernel."""
-    packed = pack_weight(weight)
-    if type(packed) is not CpuLinearWeight or not packed.lanes:
-        return packed
-    return dataclasses.replace(packed, small=pack_lanes_gated(weight), gated=True)
+    """An MLP's gate_up weight [2I, K] for linear_silu_mul (pack_weight's gated form where the CPU has the
+    lanes kernel; the plain forms elsewhere, which linear_silu_mul runs as linear then silu_mul)."""
+    return pack_weight(weight, gated=True)
 
 
 def _checked_linear_silu_mul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,6 +45,21 @@ static inline __attribute__((always_inline)) void ps_pf_store(void *p, int64_t i
     else ((float *)p)[i] = x;
 }
 
+/* Prefetch BS rows of K and V (a block, or a 16-key tile; row_bytes each, rows k_ss / v_ss bytes apart) into L2
+ * (prefetcht1), not L1: a float32 block of SmolLM2's is 128 lines, more misses than L1 tracks at once,
+ * and into L1 the burst stalled the item until most of them had arrived. Measured, decode over a pool
+ * read cold (64 sequences x 350 / 540 tokens, 9 query / 3 KV heads, 2-core AMD EPYC Zen 4): float32
+ * 2.1-2.3 -> 1.5-1.7 ms and 3.3-3.4 -> 2.4-2.5 ms; bfloat16 (64 lines a block) unchanged, 1.2 / 1.8 ms.
+ * benchmarks/cpu_kernels.py's 64 x 350 case, float32: 2.26 ms before, 1.32 ms after (results/cpu_kernels_zen4.json). */
+static inline __attribute__((always_inline)) void ps_prefetch_block(const void *k, const void *v, int64_t BS, int64_t k_ss, int64_t v_ss,
+                                     int64_t row_bytes) {
+    for (int64_t t = 0; t < BS; ++t)
+        for (int64_t c = 0; c < row_bytes; c += 64) {
+            __builtin_prefetch((const char *)k + t * k_ss + c, 0, 2);
+            __builtin_prefetch((const char *)v + t * v_ss + c, 0, 2);
+        }
+}
+
 /* Where a float32 item reads its K and V rows: gathered at K / V (position rows D apart, zero past the
  * sequence's length), or, for each whole 16-key tile, in place in the paged cache, whose blocks (BS a
  * multiple of 16) hold a tile's rows k_ss / v_ss apart, the next tile's rows prefetched into L2 (the
@@ -88,12 +103,9 @@ static inline __attribute__((always_inline)) void ps_kv_tile(const ps_kv_rows sr
         *vs = src.v_ss;
         if (k0 + 32 <= src.whole) { /* the next tile's rows into L2 while this one is computed */
             const int64_t nblk = src.bt[(k0 + 16) / src.bs], nt = (k0 + 16) % src.bs;
-            const float *nk = src.kc + nblk * src.k_sb + nt * src.k_ss, *nv = src.vc + nblk * src.v_sb + nt * src.v_ss;
-            for (int r = 0; r < 16; ++r)
-                for (int64_t c = 0; c < D; c += 16) {
-                    __builtin_prefetch(nk + r * src.k_ss + c, 0, 2);
-                    __builtin_prefetch(nv + r * src.v_ss + c, 0, 2);
-                }
+            ps_prefetch_block(src.kc + nblk * src.k_sb + nt * src.k_ss, src.vc + nblk * src.v_sb + nt * src.v_ss, 16,
+                              src.k_ss * (int64_t)sizeof(float), src.v_ss * (int64_t)sizeof(float),
+                              D * (int64_t)sizeof(float));
         }
     } else {
         *kt = K + k0 * D;
@@ -393,19 +405,23 @@ typedef struct {
     int64_t k_sb, k_ss, v_sb, v_ss, bs;
 } ps_kv_pairs;
 
-/* 16 position rows of V (rows v_ss apart) as 8 position pairs: dst[u * D + d] = v[2u][d] | v[2u + 1][d] << 16,
- * ps_gather_vpairs' layout for one tile. */
+static const uint16_t PS_ZERO_ROW[PS_PF_MAX_D]; /* the missing second row of an odd length's last pair */
+
+/* Two position rows of V as one row of pairs: dst[d] = a[d] | b[d] << 16. */
+static inline __attribute__((always_inline)) void ps_vpair_row(const uint16_t *restrict a, const uint16_t *restrict b,
+                                                               const int64_t D, uint32_t *restrict dst) {
+    for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 mk = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a + d));
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, b + d));
+        _mm512_mask_storeu_epi32(dst + d, mk, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+/* 16 position rows of V (rows v_ss apart) as 8 position pairs, ps_gather_vpairs' layout for one tile. */
 static inline __attribute__((always_inline)) void ps_vpairs_tile(const uint16_t *restrict v, const int64_t v_ss,
                                                                  const int64_t D, uint32_t *restrict dst) {
-    for (int u = 0; u < 8; ++u) {
-        const uint16_t *a = v + 2 * u * v_ss, *b = a + v_ss;
-        for (int64_t d = 0; d < D; d += 16) {
-            const __mmask16 mk = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
-            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a + d));
-            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, b + d));
-            _mm512_mask_storeu_epi32(dst + u * D + d, mk, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
-    }
+    for (int u = 0; u < 8; ++u) ps_vpair_row(v + 2 * u * v_ss, v + (2 * u + 1) * v_ss, D, dst + u * D);
 }
 
 /* bfloat16 with AVX512-BF16: the item above with both products on vdpbf16ps, which multiplies 16
@@ -448,11 +464,10 @@ static inline __attribute__((always_inline)) void ps_prefill_item_dp(
             vt = vbuf;
             if (k0 + 32 <= shared.whole) { /* the next tile's rows into L2 while this one is computed */
                 const int64_t nb = shared.bt[(k0 + 16) / shared.bs], nt = (k0 + 16) % shared.bs;
-                for (int r = 0; r < 16; ++r)
-                    for (int64_t c = 0; c < D; c += 32) {
-                        __builtin_prefetch(shared.kc + nb * shared.k_sb + (nt + r) * shared.k_ss + c, 0, 2);
-                        __builtin_prefetch(shared.vc + nb * shared.v_sb + (nt + r) * shared.v_ss + c, 0, 2);
-                    }
+                ps_prefetch_block(shared.kc + nb * shared.k_sb + nt * shared.k_ss,
+                                  shared.vc + nb * shared.v_sb + nt * shared.v_ss, 16,
+                                  shared.k_ss * (int64_t)sizeof(uint16_t), shared.v_ss * (int64_t)sizeof(uint16_t),
+                                  D * (int64_t)sizeof(uint16_t));
             }
         } else if (k0 + 16 <= shared.whole) {
             kt = shared.K + k0 * D;
@@ -517,13 +532,8 @@ static void ps_gather_vpairs(const uint16_t *cache, const int32_t *bt_row, int64
     for (int64_t p = p0; p < p1; p += 2) {
         const uint16_t *a = cache + (int64_t)bt_row[p / BS] * c_sb + (p % BS) * c_ss + h * c_sh;
         const uint16_t *b = p + 1 < p1 ? cache + (int64_t)bt_row[(p + 1) / BS] * c_sb + ((p + 1) % BS) * c_ss + h * c_sh
-                                       : NULL;
-        for (int64_t d = 0; d < D; d += 16) {
-            const __mmask16 mk = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
-            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a + d));
-            const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, b + d)) : _mm512_setzero_si512();
-            _mm512_mask_storeu_epi32(dst + p / 2 * D + d, mk, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
+                                       : PS_ZERO_ROW;
+        ps_vpair_row(a, b, D, dst + p / 2 * D);
     }
 }
 #endif

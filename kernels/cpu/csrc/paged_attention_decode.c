@@ -29,21 +29,6 @@
 #define PS_MAX_D 256
 #define PS_MAX_BS 128
 
-/* Prefetch a block's BS rows of K and V (row_bytes each; rows k_ss / v_ss bytes apart) into L2
- * (prefetcht1), not L1: a float32 block of SmolLM2's is 128 lines, more misses than L1 tracks at once,
- * and into L1 the burst stalled the item until most of them had arrived. Measured, decode over a pool
- * read cold (64 sequences x 350 / 540 tokens, 9 query / 3 KV heads, 2-core AMD EPYC Zen 4): float32
- * 2.1-2.3 -> 1.5-1.7 ms and 3.3-3.4 -> 2.4-2.5 ms; bfloat16 (64 lines a block) unchanged, 1.2 / 1.8 ms.
- * benchmarks/cpu_kernels.py's 64 x 350 case, float32: 2.26 ms before, 1.32 ms after (results/cpu_kernels_zen4.json). */
-static inline void ps_prefetch_block(const void *k, const void *v, int64_t BS, int64_t k_ss, int64_t v_ss,
-                                     int64_t row_bytes) {
-    for (int64_t t = 0; t < BS; ++t)
-        for (int64_t c = 0; c < row_bytes; c += 64) {
-            __builtin_prefetch((const char *)k + t * k_ss + c, 0, 2);
-            __builtin_prefetch((const char *)v + t * v_ss + c, 0, 2);
-        }
-}
-
 /* One work item, (sequence b, KV head h): q, kc, vc and out already point at head h's G query rows,
  * KV column and output rows; bt_row is sequence b's block table. always_inline, so the callers
  * below get copies specialised for the common head_dim / block_size (the loops then unroll). */

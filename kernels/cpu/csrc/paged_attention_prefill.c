@@ -35,6 +35,8 @@
  */
 #include "flash_item.h"
 
+static inline int64_t ps_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
 /* The first index i with starts[i + 1] > w (starts: n + 1 non-decreasing offsets, starts[0] = 0). */
 static int64_t ps_owner(const int64_t *starts, int64_t n, int64_t w) {
     int64_t lo = 0, hi = n - 1;
@@ -55,10 +57,10 @@ static int64_t ps_owner(const int64_t *starts, int64_t n, int64_t w) {
  * 1,024 cached 10.2-10.5 -> 7.2-7.5 ms, 4 such groups 38.4-39.1 -> 31.9; with the caches flushed before
  * each call, 8.5-8.9 -> 7.8-8.0 and 34.9-37.4 -> 31.2-31.4. Keys a sequence reads alone stay gathered:
  * every item of the sequence reads them again, and from the compact gathered rows that measured faster
- * than in place (16 x 64 after 1,024 of their own: 9.0 -> 10.2-11.9 ms; 1 x 2,048 13.7 -> 14.4-14.7). */
+ * than in place (16 x 64 after 1,024 of their own: 9.0 -> 10.2-11.9 ms; 1 x 2,048 13.7 -> 14.4-14.7).
+ * The caller starts whole at 0 and lead[s] at s. */
 static void ps_shared_keys(const int32_t *bt, const int64_t *len, int64_t S, int64_t BS, int64_t bt_stride,
                            int64_t *whole, int64_t *lead) {
-    for (int64_t s = 0; s < S; ++s) whole[s] = 0, lead[s] = s;
     for (int64_t s = 0; s < S; ++s) {
         if (len[s] < BS || whole[s]) continue;
         const int32_t *first = bt + s * bt_stride;
@@ -118,7 +120,7 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
         len[s] = ql > 0 ? lens[s] : 0;
         if (ql > lens[s]) err = 3;
         else if (ql > 0 && ps_bad_block_ids(bt + s * bt_stride, lens + s, 1, BS, bt_stride, NB)) err = 1;
-        const int64_t lp = (len[s] + align - 1) / align * align;
+        const int64_t lp = ps_round_up(len[s], align);
         kv_at[s + 1] = kv_at[s] + lp * 2 * Hkv * D;
         chunk_at[s + 1] = chunk_at[s] + Hkv * (lp / 16);
         item_at[s + 1] = item_at[s] + Hkv * ((ql * G + PS_PF_ROWS - 1) / PS_PF_ROWS);
@@ -129,19 +131,17 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
         return err;
     }
     /* float32 items read whole tiles from the cache (BS a multiple of 16); AMX items gather all their keys */
-    const int in_place = !bf16 && BS % 16 == 0, share = in_place || (bf16 && !amx);
-    if (share) ps_shared_keys(bt, len, S, BS, bt_stride, whole, lead);
-    else
-        for (int64_t s = 0; s < S; ++s) whole[s] = 0, lead[s] = s;
+    const int in_place = !bf16 && BS % 16 == 0;
+    for (int64_t s = 0; s < S; ++s) whole[s] = 0, lead[s] = s;
+    if (in_place || (bf16 && !amx)) ps_shared_keys(bt, len, S, BS, bt_stride, whole, lead);
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < chunk_at[S]; ++w) {
-            const int64_t s = ps_owner(chunk_at, S, w), c = w - chunk_at[s], lp = (len[s] + align - 1) / align * align;
+            const int64_t s = ps_owner(chunk_at, S, w), c = w - chunk_at[s], lp = ps_round_up(len[s], align);
             const int64_t h = c / (lp / 16), p0 = c % (lp / 16) * 16;
             const int64_t p1 = p0 + 16 < len[s] ? p0 + 16 : len[s];
-            if (p0 + 16 <= whole[s] && lead[s] != s) continue; /* shared: read in place or in lead[s]'s rows */
-            if (in_place && p0 + 16 <= whole[s]) continue;
+            if (p0 + 16 <= whole[s] && (in_place || lead[s] != s)) continue; /* shared: read in place or in lead[s]'s rows */
 #ifdef PS_PF_AMX
             if (amx) {
                 ps_gather_chunk_amx(kc, vc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, h, Hkv,
@@ -158,7 +158,7 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
             const int64_t s = ps_owner(item_at, S, w), ql = qsl[s + 1] - qsl[s];
             const int64_t groups = (ql * G + PS_PF_ROWS - 1) / PS_PF_ROWS, c = w - item_at[s];
             const int64_t h = c / groups, r0 = (groups - 1 - c % groups) * PS_PF_ROWS;
-            const int64_t lp = (len[s] + align - 1) / align * align;
+            const int64_t lp = ps_round_up(len[s], align);
             const float *Kh = ws + kv_at[s] + h * lp * D, *Vh = Kh + Hkv * lp * D;
             const void *qs = (const char *)q + (int64_t)qsl[s] * q_st * elem;
             void *os = (char *)out + (int64_t)qsl[s] * o_st * elem;
@@ -176,7 +176,7 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
             if (bf16) {
                 const uint16_t *Kb = (const uint16_t *)(ws + kv_at[s]) + h * lp * D;
                 const uint32_t *Vp = (const uint32_t *)(ws + kv_at[s] + Hkv * lp * D) + h * (lp / 2) * D;
-                const int64_t ls = lead[s], llp = (len[ls] + align - 1) / align * align;
+                const int64_t ls = lead[s], llp = ps_round_up(len[ls], align);
                 const ps_kv_pairs shared = {(const uint16_t *)(ws + kv_at[ls]) + h * llp * D,
                                             (const uint32_t *)(ws + kv_at[ls] + Hkv * llp * D) + h * (llp / 2) * D,
                                             ls == s ? 0 : whole[s], NULL, NULL, NULL, 0, 0, 0, 0, 0};
@@ -189,7 +189,7 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
             if (in_place && whole[s])
                 src = ps_kv_paged(kc, vc, bt + s * bt_stride, h, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, BS, whole[s]);
             else if (lead[s] != s) { /* bfloat16 widened: lead[s]'s gathered float32 rows */
-                const int64_t ls = lead[s], llp = (len[ls] + align - 1) / align * align;
+                const int64_t ls = lead[s], llp = ps_round_up(len[ls], align);
                 const float *Kl = ws + kv_at[ls] + h * llp * D;
                 src = (ps_kv_rows){Kl, Kl + Hkv * llp * D, NULL, 0, 0, 0, 0, 0, whole[s]};
             }
