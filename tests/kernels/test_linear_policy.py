@@ -157,3 +157,19 @@ def test_a_gate_up_packed_for_the_fused_op_is_refused_by_linear():
     ops = ops_mod.cpu_ops(torch.float32, checked=True)
     with pytest.raises(ValueError, match="linear_silu_mul"):
         ops.linear(torch.randn(2, 16), ops.pack_gate_up(torch.randn(64, 16)))
+
+
+def test_the_fused_gate_up_rejects_bad_operands():
+    if not has_lanes(torch.float32):
+        pytest.skip("no lanes kernel here")
+    from kernels.cpu.linear import lanes_linear_silu_mul
+
+    w = ops_mod.pack_gate_up(torch.randn(64, 16))
+    if type(w) is not CpuLinearWeight or not w.gated:
+        pytest.skip("the gated lanes form is not this CPU's policy")
+    with pytest.raises(ValueError, match="x must be"):
+        lanes_linear_silu_mul(torch.randn(3, 17), w)
+    with pytest.raises(ValueError, match="bias must be"):
+        lanes_linear_silu_mul(torch.randn(3, 16), w, torch.randn(32))  # the bias covers gate and up: [2I]
+    with pytest.raises(ValueError, match="x must be"):
+        lanes_linear_silu_mul(torch.randn(3, 16).bfloat16(), w)
