@@ -56,7 +56,11 @@ def paged_attention_decode_cpu(
     scratch: Scratch | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache with the CPU C kernel (torch fallback). ``scratch``:
-    the caller's reusable memory for the shared-prefix work (a fresh one per call without it)."""
+    the caller's reusable memory for the shared-prefix work (a fresh one per call without it).
+
+    float32 and bfloat16, the math in float32, except that with AVX512-BF16 bfloat16 runs both products
+    on bf16 pairs (vdpbf16ps), the probabilities rounded to bfloat16 before P.V as in prefill: within
+    2^-9 of the largest |V| of the float32 math, 1.4x faster per layer (csrc/paged_attention_decode.c)."""
     b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     native = native_kernels()
     if native is None or not _supported(native, query, k_cache, v_cache, hq // hkv, d, bs) or softcap > 0:

@@ -73,6 +73,24 @@ def test_cpu_kernel_matches_naive_and_reference(native, g, d, bs, dtype):
             torch.testing.assert_close(out[s : s + 1].double(), exp, **TOL[dtype])
 
 
+@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize("g,d,bs", [(1, 64, 16), (3, 64, 16), (4, 128, 16), (3, 32, 8), (8, 64, 32)])
+def test_bf16_decode_within_the_pair_products_bound(native, g, d, bs, window):
+    """bfloat16 decode per sequence with AVX512-BF16 runs both products on bf16 pairs (q and K as they are,
+    V rows interleaved two positions at a time, the probabilities rounded to bfloat16): every output within
+    the prefill items' bound of naive float64 attention. Odd lengths pair their last V row with zeros (the
+    poisoned slot after it would be NaN), and a window starting inside a block masks the keys before it."""
+    kv = PagedKV(_lens(bs), HKV, d, bs, torch.bfloat16, seed=7 * g + d + bs + window)
+    query = torch.randn((len(kv.seq_lens), HKV * g, d), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    out = paged_attention_decode_cpu(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, d**-0.5, window)
+    for s, n in enumerate(kv.seq_lens):
+        if n == 0:
+            continue
+        lo = max(0, n - window) if window else 0
+        naive = naive_attention(query[s : s + 1], kv.k[s][0][lo:], kv.v[s][0][lo:], d**-0.5, [n - 1 - lo])
+        assert ((out[s : s + 1].double() - naive).abs() <= _bf16_prefill_bound(naive, kv, 0)).all(), s
+
+
 def test_int64_tables_and_strided_query(native):
     kv = PagedKV([5, 40, 17], HKV, 64, 16, torch.float32, seed=3)
     wide = torch.randn(3, HKV * 3, 128)
