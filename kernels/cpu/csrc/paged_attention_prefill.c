@@ -110,7 +110,7 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
     const int64_t align = amx ? 32 : 16; /* gathered positions per head: a multiple of this */
     int64_t *len = malloc(6 * (S + 1) * sizeof(int64_t)); /* positions read (0: no queries) */
     if (!len) return 2;
-    /* prefix sums: ws offset of each sequence, gather chunks (16 positions of one head), items */
+    /* prefix sums: ws offset of each sequence, gather chunks (16 positions, every head), items */
     int64_t *kv_at = len + S + 1, *chunk_at = kv_at + S + 1, *item_at = chunk_at + S + 1;
     int64_t *whole = item_at + S + 1, *lead = whole + S + 1; /* keys read once for their sharers (ps_shared_keys) */
     kv_at[0] = chunk_at[0] = item_at[0] = 0;
@@ -122,7 +122,7 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
         else if (ql > 0 && ps_bad_block_ids(bt + s * bt_stride, lens + s, 1, BS, bt_stride, NB)) err = 1;
         const int64_t lp = ps_round_up(len[s], align);
         kv_at[s + 1] = kv_at[s] + lp * 2 * Hkv * D;
-        chunk_at[s + 1] = chunk_at[s] + Hkv * (lp / 16);
+        chunk_at[s + 1] = chunk_at[s] + lp / 16;
         item_at[s + 1] = item_at[s] + Hkv * ((ql * G + PS_PF_ROWS - 1) / PS_PF_ROWS);
     }
     if (!err && kv_at[S] > ws_floats) err = 2;
@@ -138,19 +138,20 @@ static int64_t ps_paged_prefill(const void *q, const void *kc, const void *vc, c
     {
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < chunk_at[S]; ++w) {
-            const int64_t s = ps_owner(chunk_at, S, w), c = w - chunk_at[s], lp = ps_round_up(len[s], align);
-            const int64_t h = c / (lp / 16), p0 = c % (lp / 16) * 16;
-            const int64_t p1 = p0 + 16 < len[s] ? p0 + 16 : len[s];
+            const int64_t s = ps_owner(chunk_at, S, w), lp = ps_round_up(len[s], align);
+            const int64_t p0 = (w - chunk_at[s]) * 16, p1 = p0 + 16 < len[s] ? p0 + 16 : len[s];
             if (p0 + 16 <= whole[s] && (in_place || lead[s] != s)) continue; /* shared: read in place or in lead[s]'s rows */
+            for (int64_t h = 0; h < Hkv; ++h) { /* every head of the block's rows at once: one pass over them */
 #ifdef PS_PF_AMX
-            if (amx) {
-                ps_gather_chunk_amx(kc, vc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, h, Hkv,
-                                    D, lp, ws + kv_at[s]);
-                continue;
-            }
+                if (amx) {
+                    ps_gather_chunk_amx(kc, vc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, h,
+                                        Hkv, D, lp, ws + kv_at[s]);
+                    continue;
+                }
 #endif
-            ps_gather_chunk(kc, vc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, h, Hkv, D, lp,
-                            ws + kv_at[s], bf16);
+                ps_gather_chunk(kc, vc, bt + s * bt_stride, p0, p1, BS, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, h, Hkv, D,
+                                lp, ws + kv_at[s], bf16);
+            }
         }
         /* heaviest first: within a sequence, later rows see more keys */
 #pragma omp for schedule(dynamic, 1)
