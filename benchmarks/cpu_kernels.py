@@ -8,7 +8,8 @@ process; reports milliseconds and the ratio ("c_ms" is ours).
   than the caches), per layer: batch 64 at 350 tokens (offline decode), 4 at 530 (beam search),
   and 64 sequences over shared 1,024-token prefixes (4 x 16 as in GSP, 1 x 64);
 * prefill attention, per layer: 5 prompts of 410 tokens, one 2,048-token prompt, a 512-token
-  chunk after 1,536 cached tokens (bfloat16 on an AMX CPU: the C kernel's AMX item);
+  chunk after 1,536 cached tokens, 64 tokens after 1,024 cached (cached time to first token) and
+  16 x 64 after a shared 1,024 (GSP's prefill) (bfloat16 on an AMX CPU: the C kernel's AMX item);
 * linears over all 30 layers' weights (qkv, o, gate_up, down) plus the tied lm_head, one decode
   step at 4 / 8 / 16 rows: bound by reading ~540 MB (float32) or ~270 MB (bfloat16) of weights;
 * float32 linears through oneDNN (kernels/cpu/onednn_linear.py) vs F.linear (MKL), the same 30
@@ -23,7 +24,10 @@ process; reports milliseconds and the ratio ("c_ms" is ours).
 
 One summary line; JSON + PNG under benchmarks/results/.
 
-    python benchmarks/cpu_kernels.py
+    python benchmarks/cpu_kernels.py [--cold] [--cases attention prefill ...]
+
+--cold flushes the caches before each timed attention call (decode and prefill): the state a layer
+finds its KV in during a forward. Quote attention changes from it.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -43,18 +48,33 @@ from benchmarks._common import save_figure, write_json  # noqa: E402
 HIDDEN, INTER, HQ, HKV, D, LAYERS, VOCAB, BS = 576, 1536, 9, 3, 64, 30, 49152, 16
 
 
-def ms(fn, repeat: int) -> float:
-    """Median of `repeat` timings after two warm-up calls."""
+class ColdCaches:
+    """Called before each timed call of the attention cases with --cold: writes a buffer larger than any
+    L3 here, so the call finds its KV, queries and scratch in memory, as a layer's attention does in a
+    forward after the weights have streamed through the caches. Warm timings misled once: in-place decode
+    without a prefetch measured 15-19% faster warm and 19% slower flushed (2-core AMD EPYC Zen 5)."""
+
+    def __init__(self, mib: int = 256) -> None:
+        self.buf = torch.zeros(mib << 18)  # float32: 4 bytes each
+
+    def __call__(self) -> None:
+        self.buf.add_(1.0)
+
+
+def ms(fn, repeat: int, before=None) -> float:
+    """Median of `repeat` timings after two warm-up calls (`before`, if given, runs untimed before each)."""
     fn(), fn()
     times = []
     for _ in range(repeat):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
 
-def attention_cases(dtype: torch.dtype, repeat: int) -> dict:
+def attention_cases(dtype: torch.dtype, repeat: int, before=None) -> dict:
     from kernels.cpu.paged_attention import paged_attention_decode_cpu
     from kernels.paged_attention_decode import paged_attention_decode_torch
 
@@ -70,14 +90,14 @@ def attention_cases(dtype: torch.dtype, repeat: int) -> dict:
         q = torch.randn(batch, HQ, D, generator=gen).to(dtype)
         args = (q, k, v, table, lens, D**-0.5)
         out[f"attention b{batch} ctx{ctx}"] = {
-            "c_ms": ms(lambda: paged_attention_decode_cpu(*args), repeat),
-            "torch_ms": ms(lambda: paged_attention_decode_torch(*args), repeat),
+            "c_ms": ms(lambda: paged_attention_decode_cpu(*args), repeat, before),
+            "torch_ms": ms(lambda: paged_attention_decode_torch(*args), repeat, before),
         }
-    out.update(shared_prefix_cases(dtype, repeat, gen))
+    out.update(shared_prefix_cases(dtype, repeat, gen, before))
     return out
 
 
-def shared_prefix_cases(dtype: torch.dtype, repeat: int, gen: torch.Generator) -> dict:
+def shared_prefix_cases(dtype: torch.dtype, repeat: int, gen: torch.Generator, before=None) -> dict:
     """Decode over shared prefixes (GSP: 4 prompts x 16 questions; 64 samples of one prompt): 1,024
     shared tokens + 64-79 own each, the kernel's scratch reused across calls as the engine does."""
     from kernels.cpu.paged_attention import paged_attention_decode_cpu
@@ -102,31 +122,39 @@ def shared_prefix_cases(dtype: torch.dtype, repeat: int, gen: torch.Generator) -
         args = (q, k, v, table, torch.tensor(lens, dtype=torch.int32), D**-0.5)
         scratch = Scratch()
         out[f"attention shared {groups}x{per} ctx1024+64"] = {
-            "c_ms": ms(lambda: paged_attention_decode_cpu(*args, scratch=scratch), repeat),
-            "torch_ms": ms(lambda: paged_attention_decode_torch(*args), max(3, repeat // 4)),
+            "c_ms": ms(lambda: paged_attention_decode_cpu(*args, scratch=scratch), repeat, before),
+            "torch_ms": ms(lambda: paged_attention_decode_torch(*args), max(3, repeat // 4), before),
         }
     return out
 
 
-def prefill_attention_cases(dtype: torch.dtype, repeat: int) -> dict:
+def prefill_attention_cases(dtype: torch.dtype, repeat: int, before=None) -> dict:
+    """Per layer: 5 prompts of 410 tokens, one of 2,048, a 512-token chunk after 1,536 cached, 64 new
+    tokens after 1,024 cached (the cached time-to-first-token workload), and 16 x 64 new tokens after
+    the same 1,024 cached (GSP's questions under one system prompt: its blocks shared by all 16)."""
     from kernels.cpu.paged_attention import paged_attention_prefill_cpu
+    from kernels.cpu.scratch import Scratch
     from kernels.paged_attention_prefill import paged_attention_prefill_torch
 
     out = {}
     gen = torch.Generator().manual_seed(3)
-    for label, q_lens, ctx_lens in (("5x410", [410] * 5, [410] * 5), ("1x2048", [2048], [2048]),
-                                    ("chunk 512 after 1536", [512], [2048])):
+    for label, q_lens, ctx_lens, shared in (("5x410", [410] * 5, [410] * 5, 0), ("1x2048", [2048], [2048], 0),
+                                            ("chunk 512 after 1536", [512], [2048], 0),
+                                            ("64 after 1024 cached", [64], [1088], 0),
+                                            ("16x64 after a shared 1024", [64] * 16, [1088] * 16, 1024)):
         nblk = -(-max(ctx_lens) // BS)
         pool = max(3000, len(ctx_lens) * nblk)
         k = torch.randn(pool, BS, HKV, D, generator=gen).to(dtype)
         v = torch.randn(pool, BS, HKV, D, generator=gen).to(dtype)
         table = torch.randperm(pool, generator=gen)[: len(ctx_lens) * nblk].view(len(ctx_lens), nblk).to(torch.int32)
+        table[:, : shared // BS] = table[0, : shared // BS]  # the prefix's blocks, the same ids in every row
         q = torch.randn(sum(q_lens), HQ, D, generator=gen).to(dtype)
         starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
         args = (q, k, v, table, torch.tensor(ctx_lens, dtype=torch.int32), starts, D**-0.5)
+        scratch = Scratch()  # reused across calls, as the bound ops keep one
         out[f"prefill attention {label}"] = {
-            "c_ms": ms(lambda: paged_attention_prefill_cpu(*args), max(3, repeat // 4)),
-            "torch_ms": ms(lambda: paged_attention_prefill_torch(*args), max(3, repeat // 4)),
+            "c_ms": ms(lambda: paged_attention_prefill_cpu(*args, scratch=scratch), max(3, repeat // 4), before),
+            "torch_ms": ms(lambda: paged_attention_prefill_torch(*args), max(3, repeat // 4), before),
         }
     return out
 
@@ -272,7 +300,10 @@ def main() -> None:
     ap.add_argument("--name", default="cpu_kernels")
     ap.add_argument("--cases", nargs="+", default=["attention", "prefill", "linear", "onednn", "int4", "elementwise",
                                                         "sampling"])
+    ap.add_argument("--cold", action="store_true",
+                    help="flush the caches before each timed attention call (the state a forward leaves them in)")
     args = ap.parse_args()
+    before = ColdCaches() if args.cold else None
 
     from kernels.cpu.native import native_kernels
 
@@ -281,7 +312,8 @@ def main() -> None:
     results = {}
     for name in args.dtypes:
         dtype = getattr(torch, name)
-        groups = {"attention": attention_cases, "prefill": prefill_attention_cases, "linear": linear_cases,
+        groups = {"attention": partial(attention_cases, before=before),
+                  "prefill": partial(prefill_attention_cases, before=before), "linear": linear_cases,
                   "onednn": onednn_linear_cases, "int4": int4_linear_cases, "elementwise": elementwise_cases,
                   "sampling": sampling_cases}
         cases = {label: case for g in args.cases for label, case in groups[g](dtype, args.repeat).items()}
@@ -291,7 +323,7 @@ def main() -> None:
         for label, case in cases.items():
             print(f"  {name} {label}: C {case['c_ms']:.3f} ms, torch {case['torch_ms']:.3f} ms, "
                   f"{case['speedup']:.2f}x", flush=True)
-    write_json(args.name, {"workload": {"model_shapes": "SmolLM2-135M", "repeat": args.repeat,
+    write_json(args.name, {"workload": {"model_shapes": "SmolLM2-135M", "repeat": args.repeat, "cold_attention": args.cold,
                                         "threads": torch.get_num_threads()}, "results": results})
     plot(args.name, results)
     summary = "; ".join(f"{d}: " + ", ".join(f"{label} {c['speedup']:.1f}x" for label, c in cases.items())
