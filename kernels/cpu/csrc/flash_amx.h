@@ -230,7 +230,8 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
     const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f); /* m and the exps in base 2 */
     const __m512i interleave = ps_pair_interleave();
     for (int j = 0; j < nv; ++j) {
-        pos[j] = ps_pf_rows16(q, q_st, q_sh, o_st, o_sh, offset, r0 + 16 * j, nrows, G, h, D, qp[j], row_o + 16 * j);
+        pos[j] = ps_pf_rows16(q, q_st, q_sh, o_st, o_sh, offset, r0 + 16 * j, nrows, G, h, D, (__m512 *)qp[j], 1,
+                              row_o + 16 * j);
         m[j] = _mm512_set1_ps(-INFINITY);
         lsum[j] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; ++d) ot[d][j] = _mm512_setzero_ps();
@@ -314,7 +315,7 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx64(
     int64_t row_o[16];
     const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);
     const __m512i interleave = ps_pair_interleave();
-    const __m512 pos = ps_pf_rows16(q, q_st, q_sh, o_st, o_sh, offset, r0, nrows, G, h, D, qp, row_o);
+    const __m512 pos = ps_pf_rows16(q, q_st, q_sh, o_st, o_sh, offset, r0, nrows, G, h, D, (__m512 *)qp, 1, row_o);
     __m512 m = _mm512_set1_ps(-INFINITY), lsum = _mm512_setzero_ps();
     ps_amx_configure();
     _tile_zero(0);
