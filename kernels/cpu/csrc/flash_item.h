@@ -310,15 +310,15 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
  * FMAs: with one, the broadcasts alone kept both load ports busy (~70% of FMA peak measured).
  * always_inline: the dispatch below makes copies for constant D and element type (q and out are
  * float32 or bfloat16 as bf16 says; K and V are the float32 gathered rows either way). */
-static inline __attribute__((always_inline)) void ps_prefill_item(
+static inline __attribute__((always_inline)) void ps_prefill_item16(
     const void *restrict q, const int64_t q_st, const int64_t q_sh, void *restrict out, const int64_t o_st,
     const int64_t o_sh, const float *restrict K, const float *restrict V, const ps_kv_rows src, const int64_t offset,
     const int64_t r0,
     const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale, const int64_t kmax,
-    float *restrict state, const int bf16) {
+    float *restrict state, const int bf16, const int nv) {
     ps_v16 qt[PS_PF_MAX_D][PS_PF_NV], ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
     int64_t row_o[PS_PF_ROWS]; /* element offset of each lane's output row */
-    for (int j = 0; j < PS_PF_NV; ++j) {
+    for (int j = 0; j < nv; ++j) {
         int64_t at[16]; /* each row's query, in elements from q */
         for (int l = 0; l < 16; ++l) {
             const int64_t r0l = r0 + 16 * j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
@@ -337,7 +337,7 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
         lsum[j] = ps_v16_set1(0.0f);
         for (int64_t d = 0; d < D; ++d) ot[d][j] = ps_v16_set1(0.0f);
     }
-    const int64_t last = r0 + PS_PF_ROWS - 1 < nrows ? r0 + PS_PF_ROWS - 1 : nrows - 1;
+    const int64_t last = r0 + 16 * nv - 1 < nrows ? r0 + 16 * nv - 1 : nrows - 1;
     const int64_t first_pos = offset + r0 / G, kseen = offset + last / G + 1; /* keys 0 .. kend-1 are seen */
     const int64_t kend = kseen < kmax ? kseen : kmax;
     for (int64_t k0 = 0; k0 < kend; k0 += 16) {
@@ -347,19 +347,19 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
         ps_v16 s[PS_PF_NV][16];
         for (int t0 = 0; t0 < 16; t0 += PS_PF_KH) { /* scores, 8 keys at a time: 16 accumulators */
             ps_v16 acc[PS_PF_NV][PS_PF_KH];
-            for (int j = 0; j < PS_PF_NV; ++j)
+            for (int j = 0; j < nv; ++j)
                 for (int t = 0; t < PS_PF_KH; ++t) acc[j][t] = ps_v16_set1(0.0f);
             const float *kd = kt + t0 * ks; /* one pointer walking d: the 8 keys at fixed offsets */
             for (int64_t d = 0; d < D; ++d, ++kd)
                 for (int t = 0; t < PS_PF_KH; ++t) {
                     const float kb = kd[t * ks];
-                    for (int j = 0; j < PS_PF_NV; ++j) acc[j][t] += qt[d][j] * kb;
+                    for (int j = 0; j < nv; ++j) acc[j][t] += qt[d][j] * kb;
                 }
-            for (int j = 0; j < PS_PF_NV; ++j)
+            for (int j = 0; j < nv; ++j)
                 for (int t = 0; t < PS_PF_KH; ++t) s[j][t0 + t] = acc[j][t];
         }
         ps_v16 alpha[PS_PF_NV];
-        for (int j = 0; j < PS_PF_NV; ++j) {
+        for (int j = 0; j < nv; ++j) {
             if (k0 + 15 > first_pos) /* the tile reaches past some lane's position: causal mask */
                 for (int t = 0; t < 16; ++t)
                     s[j][t] = ps_v16_select(ps_v16_set1((float)(k0 + t)) <= pos[j], s[j][t], ps_v16_set1(-INFINITY));
@@ -376,18 +376,18 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
         }
         for (int64_t d0 = 0; d0 < D; d0 += PS_PF_DB) { /* ot = alpha ot + p V, 8 columns at a time */
             ps_v16 o[PS_PF_NV][PS_PF_DB];
-            for (int j = 0; j < PS_PF_NV; ++j)
+            for (int j = 0; j < nv; ++j)
                 for (int i = 0; i < PS_PF_DB; ++i) o[j][i] = ot[d0 + i][j] * alpha[j];
             for (int t = 0; t < 16; ++t)
                 for (int i = 0; i < PS_PF_DB; ++i) {
                     const float vb = vt[t * vs + d0 + i];
-                    for (int j = 0; j < PS_PF_NV; ++j) o[j][i] += s[j][t] * vb;
+                    for (int j = 0; j < nv; ++j) o[j][i] += s[j][t] * vb;
                 }
-            for (int j = 0; j < PS_PF_NV; ++j)
+            for (int j = 0; j < nv; ++j)
                 for (int i = 0; i < PS_PF_DB; ++i) ot[d0 + i][j] = o[j][i];
         }
     }
-    for (int j = 0; j < PS_PF_NV; ++j) {
+    for (int j = 0; j < nv; ++j) {
         const ps_v16 inv = 1.0f / lsum[j];
         const int n = nrows - r0 - 16 * j < 16 ? (int)(nrows - r0 - 16 * j) : 16;
         if (n <= 0) break; /* no real rows in this vector, nor in the next */
@@ -407,6 +407,21 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
         }
 #endif
     }
+}
+
+/* The item through a copy for its real row vectors: nv = 1 where its rows fit one (the last item of a
+ * sequence or group, 16 rows or fewer), which then computes 16 rows, not 32 with 16 repeated. GSP's
+ * decode groups (16 sequences x 3 query heads = 48 rows: an item of 32 and one of 16). */
+static inline __attribute__((always_inline)) void ps_prefill_item(
+    const void *restrict q, const int64_t q_st, const int64_t q_sh, void *restrict out, const int64_t o_st,
+    const int64_t o_sh, const float *restrict K, const float *restrict V, const ps_kv_rows src, const int64_t offset,
+    const int64_t r0,
+    const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale, const int64_t kmax,
+    float *restrict state, const int bf16) {
+    if (nrows - r0 > 16)
+        ps_prefill_item16(q, q_st, q_sh, out, o_st, o_sh, K, V, src, offset, r0, nrows, G, h, D, scale, kmax, state, bf16, 2);
+    else
+        ps_prefill_item16(q, q_st, q_sh, out, o_st, o_sh, K, V, src, offset, r0, nrows, G, h, D, scale, kmax, state, bf16, 1);
 }
 
 #endif /* PS_AVX2 */
@@ -507,24 +522,24 @@ static inline __attribute__((always_inline)) void ps_vpairs_tile(const uint16_t 
  * the softmax and the output sums stay float32; the probabilities round to bfloat16 before P.V (as
  * FlashAttention does on GPUs), so a result may differ from the float32 math by up to 2^-9 of the
  * largest |V| (tests/kernels/test_paged_attention_cpu.py). The scale is folded into the exp. */
-static inline __attribute__((always_inline)) void ps_prefill_item_dp(
+static inline __attribute__((always_inline)) void ps_prefill_item_dp16(
     const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
     const int64_t o_sh, const uint16_t *restrict K, const uint32_t *restrict V, const ps_kv_pairs shared,
     const int64_t offset, const int64_t r0, const int64_t nrows, const int64_t G, const int64_t h, const int64_t D,
-    const float scale, const int64_t kmax, float *restrict state) {
+    const float scale, const int64_t kmax, float *restrict state, const int nv) {
     __m512bh qt[PS_PF_MAX_D / 2][PS_PF_NV]; /* lane r: q[row r][2i], q[row r][2i+1] */
     __m512 ot[PS_PF_MAX_D][PS_PF_NV], pos[PS_PF_NV], m[PS_PF_NV], lsum[PS_PF_NV];
     int64_t row_o[PS_PF_ROWS];
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512i interleave = ps_pair_interleave();
-    for (int j = 0; j < PS_PF_NV; ++j) {
+    for (int j = 0; j < nv; ++j) {
         pos[j] = ps_pf_rows16(q, q_st, q_sh, o_st, o_sh, offset, r0 + 16 * j, nrows, G, h, D, (__m512 *)&qt[0][j], PS_PF_NV,
                               row_o + 16 * j);
         m[j] = _mm512_set1_ps(-INFINITY);
         lsum[j] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; ++d) ot[d][j] = _mm512_setzero_ps();
     }
-    const int64_t last = r0 + PS_PF_ROWS - 1 < nrows ? r0 + PS_PF_ROWS - 1 : nrows - 1;
+    const int64_t last = r0 + 16 * nv - 1 < nrows ? r0 + 16 * nv - 1 : nrows - 1;
     const int64_t first_pos = offset + r0 / G, kseen = offset + last / G + 1, kend = kseen < kmax ? kseen : kmax;
     uint32_t vbuf[8 * PS_PF_MAX_D] __attribute__((aligned(64))); /* a tile's V pairs, read in place */
     for (int64_t k0 = 0; k0 < kend; k0 += 16) {
@@ -551,20 +566,20 @@ static inline __attribute__((always_inline)) void ps_prefill_item_dp(
         __m512 s[PS_PF_NV][16];
         for (int t0 = 0; t0 < 16; t0 += PS_PF_KH) {
             __m512 acc[PS_PF_NV][PS_PF_KH];
-            for (int j = 0; j < PS_PF_NV; ++j)
+            for (int j = 0; j < nv; ++j)
                 for (int t = 0; t < PS_PF_KH; ++t) acc[j][t] = _mm512_setzero_ps();
             const uint16_t *kd = kt + t0 * ks;
             for (int64_t i = 0; i < D / 2; ++i, kd += 2)
                 for (int t = 0; t < PS_PF_KH; ++t) {
                     const __m512bh kb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(kd + t * ks));
-                    for (int j = 0; j < PS_PF_NV; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qt[i][j], kb);
+                    for (int j = 0; j < nv; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qt[i][j], kb);
                 }
-            for (int j = 0; j < PS_PF_NV; ++j)
+            for (int j = 0; j < nv; ++j)
                 for (int t = 0; t < PS_PF_KH; ++t) s[j][t0 + t] = acc[j][t];
         }
         __m512 alpha[PS_PF_NV];
         __m512bh p2[PS_PF_NV][8]; /* lane r: p[r][2u], p[r][2u + 1] in bfloat16 */
-        for (int j = 0; j < PS_PF_NV; ++j) {
+        for (int j = 0; j < nv; ++j) {
             if (k0 + 15 > first_pos)
                 for (int t = 0; t < 16; ++t)
                     s[j][t] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + t)), pos[j], _CMP_LE_OQ),
@@ -585,18 +600,30 @@ static inline __attribute__((always_inline)) void ps_prefill_item_dp(
         }
         for (int64_t d0 = 0; d0 < D; d0 += PS_PF_DB) {
             __m512 o[PS_PF_NV][PS_PF_DB];
-            for (int j = 0; j < PS_PF_NV; ++j)
+            for (int j = 0; j < nv; ++j)
                 for (int i = 0; i < PS_PF_DB; ++i) o[j][i] = _mm512_mul_ps(ot[d0 + i][j], alpha[j]);
             for (int u = 0; u < 8; ++u)
                 for (int i = 0; i < PS_PF_DB; ++i) {
                     const __m512bh vb = (__m512bh)_mm512_set1_epi32((int32_t)vt[u * D + d0 + i]);
-                    for (int j = 0; j < PS_PF_NV; ++j) o[j][i] = _mm512_dpbf16_ps(o[j][i], p2[j][u], vb);
+                    for (int j = 0; j < nv; ++j) o[j][i] = _mm512_dpbf16_ps(o[j][i], p2[j][u], vb);
                 }
-            for (int j = 0; j < PS_PF_NV; ++j)
+            for (int j = 0; j < nv; ++j)
                 for (int i = 0; i < PS_PF_DB; ++i) ot[d0 + i][j] = o[j][i];
         }
     }
-    for (int j = 0; j < PS_PF_NV; ++j) ps_pf_finish16(ot, j, m[j], lsum[j], row_o, r0 + 16 * j, nrows, D, state, out);
+    for (int j = 0; j < nv; ++j) ps_pf_finish16(ot, j, m[j], lsum[j], row_o, r0 + 16 * j, nrows, D, state, out);
+}
+
+/* As ps_prefill_item: a copy for one row vector where the item's rows fit it. */
+static inline __attribute__((always_inline)) void ps_prefill_item_dp(
+    const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
+    const int64_t o_sh, const uint16_t *restrict K, const uint32_t *restrict V, const ps_kv_pairs shared,
+    const int64_t offset, const int64_t r0, const int64_t nrows, const int64_t G, const int64_t h, const int64_t D,
+    const float scale, const int64_t kmax, float *restrict state) {
+    if (nrows - r0 > 16)
+        ps_prefill_item_dp16(q, q_st, q_sh, out, o_st, o_sh, K, V, shared, offset, r0, nrows, G, h, D, scale, kmax, state, 2);
+    else
+        ps_prefill_item_dp16(q, q_st, q_sh, out, o_st, o_sh, K, V, shared, offset, r0, nrows, G, h, D, scale, kmax, state, 1);
 }
 
 /* Positions [p0, p1) of KV head h of a bfloat16 cache as position pairs: word (p / 2) * D + d of dst
