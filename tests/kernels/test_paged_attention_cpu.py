@@ -425,6 +425,19 @@ def test_cpu_prefill_int64_metadata_and_strided_query(native, c_prefill):
                                **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prefill_query_rows_at_odd_element_offsets(native, kernel_only, dtype):
+    """A query view whose head stride is odd (a width of 65 cut to 64): each row starts at an odd element,
+    which the items' query loads (16 rows turned over in registers) must read where it lies."""
+    kv, _, qsl = _prefill_case([(20, 40), (17, 17)], HKV, 3, 64, 16, dtype=dtype, seed=9)
+    wide = torch.randn((37, HKV * 3, 65), generator=torch.Generator().manual_seed(3)).to(dtype)
+    query = wide[:, :, :64]
+    assert query.stride(1) % 2 == 1
+    out = paged_attention_prefill_cpu(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, qsl, 0.125)
+    ref = paged_attention_prefill_torch(query, *kv.caches(), kv.block_tables, kv.seq_lens_t, qsl, 0.125)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float16, 64), (torch.float32, 36)])
 def test_cpu_prefill_falls_back_to_reference(native, monkeypatch, dtype, d):
     """bfloat16 on an AMX CPU from a library without the AMX item (SDPA's AMX products are faster than

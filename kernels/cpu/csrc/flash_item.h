@@ -94,17 +94,17 @@ static inline __attribute__((always_inline)) void ps_rows16_store(const __m512 *
     }
 }
 
-/* The other way: 16 rows of D 32-bit words (row l at src + at[l] words, float32 or bf16 pairs) into
- * lanes, col[i * stride] lane l = word i of row l, each word times mul (float32 rows) or as it is
- * (mul_f32 = 0). */
-static inline __attribute__((always_inline)) void ps_rows16_load(const uint32_t *src, const int64_t *at, const int64_t W,
+/* The other way: 16 rows of W 32-bit words (row l at byte at[l] of src, float32 or bf16 pairs; bytes,
+ * so a bfloat16 row may start at an odd element) into lanes, col[i * stride] lane l = word i of row l,
+ * each word times mul (float32 rows) or as it is (mul_f32 = 0). */
+static inline __attribute__((always_inline)) void ps_rows16_load(const char *src, const int64_t *at, const int64_t W,
                                                                  const __m512 mul, const int mul_f32, __m512 *col,
                                                                  const int64_t stride) {
     for (int64_t w0 = 0; w0 < W; w0 += 16) {
         const int64_t w = W - w0 < 16 ? W - w0 : 16;
         const __mmask16 mk = (__mmask16)(w == 16 ? 0xffffu : (1u << w) - 1u);
         __m512 r[16];
-        for (int l = 0; l < 16; ++l) r[l] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mk, src + at[l] + w0));
+        for (int l = 0; l < 16; ++l) r[l] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mk, src + at[l] + 4 * w0));
         ps_transpose16(r);
         for (int64_t i = 0; i < w; ++i) col[(w0 + i) * stride] = mul_f32 ? _mm512_mul_ps(r[i], mul) : r[i];
     }
@@ -327,9 +327,10 @@ static inline __attribute__((always_inline)) void ps_prefill_item16(
             at[l] = qi * q_st + k * q_sh;
         }
 #ifdef PS_AVX512
-        if (!bf16) /* float32 rows turned over in 16 x 16 blocks (ps_rows16_load) */
-            ps_rows16_load((const uint32_t *)q, at, D, _mm512_set1_ps(scale), 1, (__m512 *)&qt[0][j], PS_PF_NV);
-        else
+        if (!bf16) { /* float32 rows turned over in 16 x 16 blocks (ps_rows16_load, byte offsets) */
+            for (int l = 0; l < 16; ++l) at[l] *= (int64_t)sizeof(float);
+            ps_rows16_load((const char *)q, at, D, _mm512_set1_ps(scale), 1, (__m512 *)&qt[0][j], PS_PF_NV);
+        } else
 #endif
             for (int l = 0; l < 16; ++l)
                 for (int64_t d = 0; d < D; ++d) qt[d][j][l] = ps_pf_load(q, at[l] + d, bf16) * scale;
@@ -437,14 +438,14 @@ static inline __attribute__((always_inline)) __m512 ps_pf_rows16(const uint16_t 
                                                                  const int64_t D, __m512 *col, const int64_t stride,
                                                                  int64_t *row_o16) {
     float pj[16];
-    int64_t at[16]; /* each row's query, in 32-bit words from q (q_st and q_sh are even: D is) */
+    int64_t at[16]; /* each row's query, in bytes from q */
     for (int l = 0; l < 16; ++l) {
         const int64_t r0l = r0j + l, r = r0l < nrows ? r0l : nrows - 1, qi = r / G, k = h * G + r % G;
         pj[l] = (float)(offset + qi);
         row_o16[l] = qi * o_st + k * o_sh;
-        at[l] = (qi * q_st + k * q_sh) / 2;
+        at[l] = (qi * q_st + k * q_sh) * (int64_t)sizeof(uint16_t);
     }
-    ps_rows16_load((const uint32_t *)q, at, D / 2, _mm512_setzero_ps(), 0, col, stride);
+    ps_rows16_load((const char *)q, at, D / 2, _mm512_setzero_ps(), 0, col, stride);
     return _mm512_loadu_ps(pj);
 }
 
