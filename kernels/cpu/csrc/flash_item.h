@@ -392,10 +392,11 @@ static inline __attribute__((always_inline)) void ps_prefill_item16(
         const ps_v16 inv = 1.0f / lsum[j];
         const int n = nrows - r0 - 16 * j < 16 ? (int)(nrows - r0 - 16 * j) : 16;
         if (n <= 0) break; /* no real rows in this vector, nor in the next */
-        for (int l = 0; l < n && state; ++l) { /* the softmax state, not normalised: paged_attention_decode.c goes on from it */
-            state[row_o[16 * j + l]] = m[j][l];
-            state[row_o[16 * j + l] + 1] = lsum[j][l];
-        }
+        if (state) /* the softmax state, not normalised: paged_attention_decode.c goes on from it */
+            for (int l = 0; l < n; ++l) {
+                state[row_o[16 * j + l]] = m[j][l];
+                state[row_o[16 * j + l] + 1] = lsum[j][l];
+            }
 #ifdef PS_AVX512
         if (state) ps_rows16_store((const __m512 *)&ot[0][j], PS_PF_NV, _mm512_set1_ps(1.0f), D, row_o + 16 * j, n, state + 2, 0);
         else ps_rows16_store((const __m512 *)&ot[0][j], PS_PF_NV, (__m512)inv, D, row_o + 16 * j, n, out, bf16);
@@ -419,10 +420,11 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
     const int64_t r0,
     const int64_t nrows, const int64_t G, const int64_t h, const int64_t D, const float scale, const int64_t kmax,
     float *restrict state, const int bf16) {
-    if (nrows - r0 > 16)
-        ps_prefill_item16(q, q_st, q_sh, out, o_st, o_sh, K, V, src, offset, r0, nrows, G, h, D, scale, kmax, state, bf16, 2);
-    else
-        ps_prefill_item16(q, q_st, q_sh, out, o_st, o_sh, K, V, src, offset, r0, nrows, G, h, D, scale, kmax, state, bf16, 1);
+#define PS_ITEM16(NV) ps_prefill_item16(q, q_st, q_sh, out, o_st, o_sh, K, V, src, offset, r0, nrows, G, h, D, scale, kmax, \
+                                       state, bf16, NV)
+    if (nrows - r0 > 16) PS_ITEM16(2);
+    else PS_ITEM16(1);
+#undef PS_ITEM16
 }
 
 #endif /* PS_AVX2 */
@@ -621,10 +623,11 @@ static inline __attribute__((always_inline)) void ps_prefill_item_dp(
     const int64_t o_sh, const uint16_t *restrict K, const uint32_t *restrict V, const ps_kv_pairs shared,
     const int64_t offset, const int64_t r0, const int64_t nrows, const int64_t G, const int64_t h, const int64_t D,
     const float scale, const int64_t kmax, float *restrict state) {
-    if (nrows - r0 > 16)
-        ps_prefill_item_dp16(q, q_st, q_sh, out, o_st, o_sh, K, V, shared, offset, r0, nrows, G, h, D, scale, kmax, state, 2);
-    else
-        ps_prefill_item_dp16(q, q_st, q_sh, out, o_st, o_sh, K, V, shared, offset, r0, nrows, G, h, D, scale, kmax, state, 1);
+#define PS_ITEM_DP16(NV) \
+    ps_prefill_item_dp16(q, q_st, q_sh, out, o_st, o_sh, K, V, shared, offset, r0, nrows, G, h, D, scale, kmax, state, NV)
+    if (nrows - r0 > 16) PS_ITEM_DP16(2);
+    else PS_ITEM_DP16(1);
+#undef PS_ITEM_DP16
 }
 
 /* Positions [p0, p1) of KV head h of a bfloat16 cache as position pairs: word (p / 2) * D + d of dst

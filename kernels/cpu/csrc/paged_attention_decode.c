@@ -115,6 +115,12 @@
  */
 static const int PS_PERM[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
+/* The lanes of a tile of nt tokens (nt <= 16) that are read: those < nt, less the first skip (tokens before
+ * a sliding window's start; skip <= 0: none). */
+static inline __mmask16 ps_tile_valid(const int64_t nt, const int64_t skip) {
+    return (__mmask16)((nt == 16 ? 0xffffu : (1u << nt) - 1u) & (skip <= 0 ? 0xffffu : skip >= 16 ? 0u : ~((1u << skip) - 1u)));
+}
+
 static inline __m512 ps_hsum16(const __m512 *a) {
     __m512 b[8], c[4], d[2];
     for (int i = 0; i < 8; ++i) /* 256-bit halves */
@@ -163,8 +169,7 @@ static inline __m512 ps_hsum16(const __m512 *a) {
             for (int64_t t0 = 0; t0 < n; t0 += 16) {                                                 \
                 const int64_t nt = n - t0 < 16 ? n - t0 : 16;                                        \
                 const int64_t skip = start - j * BS - t0; /* tokens before a window start: masked */  \
-                const __mmask16 valid = (__mmask16)((nt == 16 ? 0xffffu : (1u << nt) - 1u)            \
-                                                    & (skip <= 0 ? 0xffffu : skip >= 16 ? 0u : ~((1u << skip) - 1u))); \
+                const __mmask16 valid = ps_tile_valid(nt, skip);                                     \
                 if (!valid) continue; /* wholly before the window: no score, no NaN from exp(-inf + inf) */ \
                 for (int64_t t = 0; t < 16; ++t) {                                                   \
                     if (t < nt) {                                                                    \
@@ -279,8 +284,7 @@ static inline __attribute__((always_inline)) void ps_item_dp_bf16(
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
             const int64_t nt = n - t0 < 16 ? n - t0 : 16;
             const int64_t skip = start - j * BS - t0;
-            const __mmask16 valid = (__mmask16)((nt == 16 ? 0xffffu : (1u << nt) - 1u)
-                                                & (skip <= 0 ? 0xffffu : skip >= 16 ? 0u : ~((1u << skip) - 1u)));
+            const __mmask16 valid = ps_tile_valid(nt, skip);
             if (!valid) continue;
             for (int64_t t = 0; t < 16; ++t) {
                 if (t < nt) {
