@@ -3,7 +3,7 @@ computation written here (all keys gathered, the masks built from positions), in
 shorter than the window (the kernels' own path) and cached prefixes (prefill rows late in a sequence)."""
 import pytest
 import torch
-from kernels_testlib import needs_triton
+from kernels_testlib import DEVICE, needs_triton
 
 from kernels import get_ops
 from kernels.masked_attention import masked_paged_attention_torch
@@ -44,6 +44,12 @@ def _expected(q, k, v, tables, lens, q_lens, scale, window, softcap):
 
 
 BACKENDS = ["torch", "cpu", pytest.param("triton", marks=needs_triton)]
+
+
+def _on(backend, *tensors):
+    """The tensors on the backend's device: Triton's is the GPU where there is one (else the interpreter's CPU)."""
+    device = DEVICE if backend == "triton" else torch.device("cpu")
+    return [t.to(device) for t in tensors]
 WINDOWS_CAPS = [(0, 0.0), (5, 0.0), (16, 0.0), (0, 7.5), (5, 7.5), (200, 0.0)]  # 200: longer than every sequence
 
 
@@ -53,11 +59,11 @@ WINDOWS_CAPS = [(0, 0.0), (5, 0.0), (16, 0.0), (0, 7.5), (5, 7.5), (200, 0.0)]  
 def test_decode_window_softcap(backend, dtype, window, softcap):
     lens = [1, 4, 17, 40, 90]
     q, k, v, tables = _case(dtype, lens, [1] * len(lens))
-    ops = get_ops(backend, "cpu", dtype)
+    ops = get_ops(backend, DEVICE if backend == "triton" else "cpu", dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    out = ops.paged_attention_decode(q, k, v, tables, seq_lens, 0.3, window=window, softcap=softcap)
+    out = ops.paged_attention_decode(*_on(backend, q, k, v, tables, seq_lens), 0.3, window=window, softcap=softcap)
     tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
-    torch.testing.assert_close(out.float(), _expected(q, k, v, tables, lens, [1] * len(lens), 0.3, window, softcap),
+    torch.testing.assert_close(out.float().cpu(), _expected(q, k, v, tables, lens, [1] * len(lens), 0.3, window, softcap),
                                **tol)
 
 
@@ -67,12 +73,12 @@ def test_decode_window_softcap(backend, dtype, window, softcap):
 def test_prefill_window_softcap(backend, dtype, window, softcap):
     lens, q_lens = [30, 7, 90, 41], [30, 3, 25, 1]  # whole prompts, cached prefixes, a one-token chunk
     q, k, v, tables = _case(dtype, lens, q_lens, seed=1)
-    ops = get_ops(backend, "cpu", dtype)
+    ops = get_ops(backend, DEVICE if backend == "triton" else "cpu", dtype)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    out = ops.paged_attention_prefill(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), qsl, 0.3,
+    out = ops.paged_attention_prefill(*_on(backend, q, k, v, tables, torch.tensor(lens, dtype=torch.int32), qsl), 0.3,
                                       window=window, softcap=softcap)
     tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
-    torch.testing.assert_close(out.float(), _expected(q, k, v, tables, lens, q_lens, 0.3, window, softcap), **tol)
+    torch.testing.assert_close(out.float().cpu(), _expected(q, k, v, tables, lens, q_lens, 0.3, window, softcap), **tol)
 
 
 def test_long_prefill_chunks_queries():
@@ -105,9 +111,9 @@ def test_triton_decode_window_with_split_kv(num_splits, window, softcap):
 
     lens = [1, 17, 40, 90]
     q, k, v, tables = _case(torch.float32, lens, [1] * len(lens), seed=3)
-    out = _launch(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), 0.3, num_splits=num_splits, block_n=16,
-                  window=window, softcap=softcap)
-    torch.testing.assert_close(out, _expected(q, k, v, tables, lens, [1] * len(lens), 0.3, window, softcap),
+    out = _launch(*_on("triton", q, k, v, tables, torch.tensor(lens, dtype=torch.int32)), 0.3, num_splits=num_splits,
+                  block_n=16, window=window, softcap=softcap)
+    torch.testing.assert_close(out.cpu(), _expected(q, k, v, tables, lens, [1] * len(lens), 0.3, window, softcap),
                                atol=2e-5, rtol=2e-5)
 
 

@@ -161,7 +161,7 @@ def test_validation(bad, backend):
 
 def test_reference_rejects_short_block_table():
     args = _valid_args()
-    args["seq_lens"] = torch.tensor([1, 17, 2], dtype=torch.int32)  # 17 tokens need 3 blocks of 8
+    args["seq_lens"] = torch.tensor([1, 17, 2], dtype=torch.int32, device=DEVICE)  # 17 tokens need 3 blocks of 8
     with pytest.raises(ValueError, match="block_tables"):
         paged_attention_decode_torch(**args)
 
