@@ -53,6 +53,9 @@ class EngineConfig:
     # "none" dequantized to the model dtype; None / "auto": quantized when the model names a quantized
     # GGUF (a .gguf file or a builtin name such as the default model), as vLLM and llama.cpp do.
     quantization: str | None = None
+    # CUDA: decode steps replay CUDA graphs captured at start-up (engine/cuda_graphs.py); True runs every
+    # step eagerly, as vLLM's flag of the same name.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

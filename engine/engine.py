@@ -14,6 +14,7 @@ import torch.distributed as dist
 from engine.admission import PromptInput, effective_params, tokenize_prompt
 from engine.beam_search import BeamSearch
 from engine.config import EngineConfig
+from engine.cuda_graphs import capture_sizes
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidConfigError, InvalidRequestError
 from engine.executor import ParallelRunner, TensorParallelWorkers, init_group, threads_per_rank
@@ -83,7 +84,8 @@ class Engine:
         self.runner = ModelRunner(
             model, shard_config, num_blocks, config.block_size, ops, self.device, self.dtype, config.seed,
             structured=self.structured, num_host_kv_slots=num_host_slots, kv_heads=(0, shard_config.num_kv_heads),
-            total_kv_heads=self.model_config.num_kv_heads,
+            total_kv_heads=self.model_config.num_kv_heads, cuda_graph_sizes=self._cuda_graph_sizes(ops),
+            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
@@ -269,6 +271,15 @@ class Engine:
         live_ids = {s.seq_id for st in self.outputs.requests.values() for s in st.live_seqs()}
         assert live_ids <= set(self.scheduler.seqs), "a live sequence is unknown to the scheduler"
         self.structured.check_integrity(live_ids)
+
+    def _cuda_graph_sizes(self, ops) -> list[int] | None:
+        """Decode batch sizes captured as CUDA graphs (engine/cuda_graphs.py): on one CUDA device with the
+        Triton ops, unless enforce_eager; tensor parallelism runs eagerly (its collectives are not captured)."""
+        cfg = self.config
+        if (self.device.type != "cuda" or ops.name != "triton" or cfg.enforce_eager
+                or cfg.tensor_parallel_size > 1):
+            return None
+        return capture_sizes(cfg.max_num_seqs)
 
     # -- sizing ---------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:

@@ -5,6 +5,7 @@ generators; it never decides anything about scheduling or block ownership.
 """
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import time
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_tiers import KVMover
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -21,6 +23,8 @@ from engine.scheduler_output import SampleSpec, ScheduledRow, SchedulerOutput
 from engine.structured_output import GrammarMask, StructuredOutputManager
 from kernels import KernelOps
 from prefix_cache import TransferTimings
+
+logger = logging.getLogger("prefixserve")
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -72,8 +76,12 @@ class ModelRunner:
         num_host_kv_slots: int = 0,
         kv_heads: tuple[int, int] | None = None,
         total_kv_heads: int | None = None,
+        cuda_graph_sizes: list[int] | None = None,
+        max_blocks_per_seq: int = 0,
     ) -> None:
-        """``kv_heads`` (first, count) of ``total_kv_heads``: this tensor-parallel rank's KV heads."""
+        """``kv_heads`` (first, count) of ``total_kv_heads``: this tensor-parallel rank's KV heads.
+        ``cuda_graph_sizes``: decode batch sizes to capture as CUDA graphs (engine/cuda_graphs.py; None:
+        every step runs eagerly), for block tables of up to ``max_blocks_per_seq`` blocks."""
         self.model, self.cfg, self.ops = model, model_config, ops
         self.structured = structured  # grammar masks of structured-output sequences (owned by the engine)
         self.block_size, self.device, self.dtype = block_size, device, dtype
@@ -86,6 +94,14 @@ class ModelRunner:
         model.bind_ops(ops)  # the backend's ops, bound once: the one forward calls only these
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
+        self.graphs = self._capture_graphs(cuda_graph_sizes, max_blocks_per_seq) if cuda_graph_sizes else None
+
+    def _capture_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> DecodeGraphs | None:
+        try:
+            return DecodeGraphs(self.model, self.kv_cache, self.scale, sizes, max_blocks_per_seq)
+        except Exception as exc:  # a model or op that cannot be captured still serves, eagerly
+            logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
+            return None
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -112,13 +128,15 @@ class ModelRunner:
         samples = None
         if specs:
             logits = self.model.compute_logits(hidden[torch.tensor(row_positions, dtype=torch.long, device=self.device)])
-            samples = self.sampler(logits.cpu(), [self._sample_row(s) for s in specs], self._grammar_mask(specs))
+            samples = self.sampler(logits, [self._sample_row(s) for s in specs], self._grammar_mask(specs))
         prompt_lp = self._prompt_logprobs(rows, hidden, ends)
         moved = 0.0 if timings is None else timings.device_to_host_s + timings.host_to_device_s + timings.remote_to_device_s
         return RunnerOutput(tuple(s.seq_id for s in specs), samples, prompt_lp, timings,
                             time.perf_counter() - start - moved)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(input_ids.shape[0], attn):
+            return self.graphs.forward(input_ids, positions, attn)
         return self.model(input_ids, positions, self.kv_cache, attn)
 
     # -- tensors ------------------------------------------------------------------------
