@@ -65,7 +65,14 @@ def run_ours(model: str, dtype: str, jobs: list[dict], engine_args: dict | None 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_num_seqs=MAX_NUM_SEQS, **(engine_args or {}))
     llm.generate({"prompt_token_ids": list(range(100, 116))}, SamplingParams(max_tokens=4), use_tqdm=False)
-    results = {"startup_s": time.perf_counter() - t0, "jobs": {}}
+    return {"startup_s": time.perf_counter() - t0, "jobs": run_jobs(llm, jobs, f"prefixserve {dtype}")}
+
+
+def run_jobs(llm, jobs: list[dict], label: str = "prefixserve") -> dict:
+    """Each job through an `LLM` already started: {job name: summary}."""
+    from engine import SamplingParams
+
+    results = {}
     for job in jobs:
         runs, token_ids = [], []
         for prompt_set in job["prompt_sets"]:
@@ -89,8 +96,8 @@ def run_ours(model: str, dtype: str, jobs: list[dict], engine_args: dict | None 
             outs = llm.generate(prompts, params, use_tqdm=False)
             runs.append(time.perf_counter() - t)
             token_ids = [list(c.token_ids) for o in outs for c in o.outputs]
-        results["jobs"][job["name"]] = _summary(job, runs, token_ids)
-        print(f"  prefixserve {dtype} {job['name']}: {results['jobs'][job['name']]['seconds']:.3f} s", flush=True)
+        results[job["name"]] = _summary(job, runs, token_ids)
+        print(f"  {label} {job['name']}: {results[job['name']]['seconds']:.3f} s", flush=True)
     return results
 
 

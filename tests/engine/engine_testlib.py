@@ -21,7 +21,7 @@ class Reference:
 
 
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids=()) -> list[Reference]:
-    """HF `generate()` greedy, one prompt at a time (no padding), with per-step logits.
+    """HF `generate()` greedy, one prompt at a time (no padding), with per-step logits, on the model's device.
 
     EOS is unset for the run (our `ignore_eos`): HF's `min_new_tokens` would instead *mask* EOS
     and so pick a different token than an unconstrained greedy step."""
@@ -30,7 +30,8 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids=()) 
     model.generation_config.eos_token_id = None
     try:
         outs = [model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            torch.tensor([ids], device=model.device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
             max_new_tokens=max_new_tokens, do_sample=False,
             output_logits=True, return_dict_in_generate=True, pad_token_id=0,
         ) for ids in prompts]
