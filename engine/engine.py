@@ -36,6 +36,7 @@ from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 from engine.structured_output import StructuredOutputManager
 from kernels import get_ops
+from kernels.cpu.dispatch import Dispatcher
 from prefix_cache import BlockManager
 
 logger = logging.getLogger("prefixserve")
@@ -59,8 +60,11 @@ class Engine:
         self.workers = TensorParallelWorkers.spawn(config, config.tensor_parallel_size, str(self.device)) \
             if config.tensor_parallel_size > 1 else None
         tp = init_tp(config, self.workers, self.device)
+        # Kernels with several implementations here are chosen by measuring them (kernels/cpu/dispatch.py).
+        self.dispatch = Dispatcher()
         model = load_model(folder, self.model_config, self.dtype, self.device, tp=tp,
-                           quantization=effective_quantization(config.quantization, config.model))
+                           quantization=effective_quantization(config.quantization, config.model),
+                           dispatch=self.dispatch)
         self.weight_bytes = weight_bytes(model)
         self.quantization = model.quantization
         shard_config = local_config(self.model_config, tp)  # this rank's heads and KV heads
@@ -74,7 +78,7 @@ class Engine:
         self.tiers = build_kv_tiers(config, self.blocks, self.model_config, fingerprint)
         # vLLM-format KV events for KV-aware routers (a null object unless --kv-events-config enables them).
         self.kv_events = KVEvents(config.kv_events_config, self.blocks, self.tiers)
-        ops = get_ops(config.attention_backend, self.device, self.dtype)
+        ops = get_ops(config.attention_backend, self.device, self.dtype, dispatch=self.dispatch)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
@@ -87,6 +91,9 @@ class Engine:
             total_kv_heads=self.model_config.num_kv_heads, cuda_graph_sizes=self._cuda_graph_sizes(ops),
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
+        if self.dispatch.choices:
+            logger.info("kernels chosen by measurement here (cached in %s): %s", self.dispatch.cache_dir,
+                        self.dispatch.summary())
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
         self.scheduler = Scheduler(

@@ -44,6 +44,9 @@ class KernelOps:
     gelu_tanh_mul: Callable[..., torch.Tensor] = gelu_tanh_mul_torch
     linear_silu_mul: Callable[..., torch.Tensor] | None = None
     pack_gate_up: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # The LM head's weight (dense, or an int8 table) in the form its logits are computed fastest in here;
+    # None: pack_weight for a dense head, an int8 table as it is.
+    pack_lm_head: Callable | None = None
 
 
 def debug_kernels() -> bool:

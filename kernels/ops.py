@@ -65,14 +65,15 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return backend
 
 
-def get_ops(backend: str = "auto", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-            ) -> KernelOps:
-    """The op set of ``backend`` on ``device`` for a model in ``dtype``, bound once."""
+def get_ops(backend: str = "auto", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+            dispatch=None) -> KernelOps:
+    """The op set of ``backend`` on ``device`` for a model in ``dtype``, bound once; on CPU the weights'
+    forms are chosen by measurement through ``dispatch`` (kernels/cpu/dispatch.py; a fresh one if None)."""
     name = resolve_backend(backend, device)
     if name == "cpu":
         from .cpu.ops import cpu_ops
 
-        return cpu_ops(dtype, checked=debug_kernels())
+        return cpu_ops(dtype, checked=debug_kernels(), dispatch=dispatch)
     return reference_ops() if name == "torch" else triton_ops()
 
 

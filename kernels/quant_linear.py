@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,30 +43,64 @@ class QuantizedWeight:
     exact_scales: torch.Tensor | None = None  # int8: the [N] scales in float32 (quantized_logits' refinement)
     # int8 LM head: (the rows prepacked for oneDNN's int8 matmul, their zero points [N]) (with_onednn_int8)
     onednn: tuple[torch.Tensor, torch.Tensor] | None = None
+    # int8 LM head: the table in bfloat16, packed for oneDNN, where that computes its logits fastest here
+    dense: torch.Tensor | None = None
+    # int8 LM head: ((up to rows, kernel), ...) as measured at bind (with_logits_kernels); () the flags' choice
+    logits_spans: tuple[tuple[int, str], ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
+        """Bytes held: the table and its scales, and the second forms an LM head keeps (oneDNN's int8 rows,
+        the bfloat16 table)."""
+        extra = (self.packed.numel() if self.onednn is not None else 0) + \
+            (self.in_features * self.out_features * 2 if self.dense is not None else 0)
+        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size() + extra
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
 
-def int4_from_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
-    """q [N, K] integers in [0, 15]; scale, zero [N, K/group_size]: w = (q - 8) * scale + zero."""
+def int4_from_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int = 32,
+                     layout: Callable[[int, int, int], str] | None = None) -> QuantizedWeight:
+    """q [N, K] integers in [0, 15]; scale, zero [N, K/group_size]: w = (q - 8) * scale + zero. ``layout``
+    (n, k, group_size) -> "int4_vnni" | "int4" picks the layout (measured: int4_layout_chooser); by default
+    int4_vnni wherever its C kernel takes the shape."""
     n, k = q.shape
     if k % group_size or scale.shape != (n, k // group_size) or zero.shape != scale.shape:
         raise ValueError(f"int4: q {tuple(q.shape)}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)}, "
                          f"group {group_size}")
     if int(q.min()) < 0 or int(q.max()) > 15:
         raise ValueError("int4: q must lie in [0, 15]")
-    if int4_linear.supports(n, k, group_size):
-        packed, dm = int4_linear.pack_int4(q, scale, zero - 8 * scale.float())
-        return QuantizedWeight("int4_vnni", packed, dm, n, k, group_size)
+    vnni = int4_linear.supports(n, k, group_size)
+    if vnni and layout is not None:
+        vnni = layout(n, k, group_size) == "int4_vnni"
+    return (_pack_int4_vnni if vnni else _pack_int4_torch)(q, scale, zero, group_size)
+
+
+def _pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> QuantizedWeight:
+    n, k = q.shape
+    packed, dm = int4_linear.pack_int4(q, scale, zero - 8 * scale.float())
+    return QuantizedWeight("int4_vnni", packed, dm, n, k, group_size)
+
+
+def _pack_int4_torch(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> QuantizedWeight:
+    n, k = q.shape
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     scales = torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous()  # [K/g, N, 2]
     return QuantizedWeight("int4", packed, scales, n, k, group_size)
+
+
+def int4_layout_chooser(dispatch) -> Callable[[int, int, int], str]:
+    """int4_from_groups' ``layout``: each weight shape's layout measured here once (kernels/cpu/choices.py)."""
+    from .cpu.choices import int4_layout
+
+    def choose(n: int, k: int, group_size: int) -> str:
+        candidates = {"int4_vnni": (lambda q, s, z: _pack_int4_vnni(q, s, z, group_size), quantized_linear),
+                      "int4": (lambda q, s, z: _pack_int4_torch(q, s, z, group_size), quantized_linear)}
+        return int4_layout(dispatch, n, k, group_size, candidates)
+
+    return choose
 
 
 def int8_from_channels(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
@@ -140,7 +175,7 @@ def _with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 REFINED_LOGITS = 64
 
 
-def with_onednn_int8(qw: QuantizedWeight) -> QuantizedWeight:
+def with_onednn_int8(qw: QuantizedWeight, probe: bool = False) -> QuantizedWeight:
     """An int8 LM head with its rows also prepacked for oneDNN's int8 x int8 matmul (VNNI / AMX-INT8),
     or the weight as it is where torch has no oneDNN int8 linear. Measured here (2-core Intel Xeon with
     AMX, V=49152, K=576): 0.75 vs 0.95 ms at 1 row, 1.4 vs 3.3 ms at 8 rows for _weight_int8pack_mm.
@@ -150,10 +185,51 @@ def with_onednn_int8(qw: QuantizedWeight) -> QuantizedWeight:
             or not cpu_has_int8_dot()):
         return qw
     try:
-        packed = torch.ops.onednn.qlinear_prepack(qw.packed, [1, qw.in_features])
+        # probe: whether it packs at all, on a few rows (the whole table is packed only where it is bound)
+        rows = qw.packed[:16] if probe else qw.packed
+        packed = torch.ops.onednn.qlinear_prepack(rows, [1, qw.in_features])
     except RuntimeError:  # a torch built without oneDNN's x86 int8 kernels
         return qw
     return dataclasses.replace(qw, onednn=(packed, torch.zeros(qw.out_features, dtype=torch.int64)))
+
+
+def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
+    """An int8 LM head with the kernel of its logits measured here per row count (kernels/cpu/choices.py)
+    among torch's int8 kernel ("int8pack"), oneDNN's int8 matmul where the CPU has an int8 dot product
+    ("onednn_int8"; measured once at 670 ms a call where oneDNN ran its reference kernel, against 26 ms for
+    int8pack) and the table in bfloat16 through oneDNN ("bf16", a second copy at twice the int8 bytes, kept
+    only where chosen); the float32 refinement of quantized_logits follows any of them."""
+    if qw.layout != "int8" or qw.exact_scales is None:
+        return qw
+    from .cpu.choices import lm_head_spans
+    from .cpu.onednn_linear import onednn_bf16_supported, onednn_linear_available, pack_weight, packed_linear
+
+    def bf16_table() -> torch.Tensor:
+        return pack_weight(dequantize(qw).to(COMPUTE_DTYPE))
+
+    def onednn_int8_fn():
+        with_int8 = with_onednn_int8(qw)
+        return lambda x: _onednn_int8_logits(x, with_int8)
+
+    def bf16_fn():
+        table = bf16_table()
+        return lambda x: packed_linear(x.to(COMPUTE_DTYPE), table).float()
+
+    candidates = {"int8pack": lambda: (lambda x: quantized_linear(x, qw).float())}
+    if with_onednn_int8(qw, probe=True).onednn is not None:
+        candidates["onednn_int8"] = onednn_int8_fn
+    if onednn_bf16_supported() and onednn_linear_available():  # oneDNN has bfloat16 kernels here
+        candidates["bf16"] = bf16_fn
+    spans = lm_head_spans(dispatch, qw, candidates)
+    used = {name for _, name in spans}
+    return dataclasses.replace(qw, onednn=with_onednn_int8(qw).onednn if "onednn_int8" in used else None,
+                               dense=bf16_table() if "bf16" in used else None, logits_spans=spans)
+
+
+def _logits_kernel(qw: QuantizedWeight, rows: int) -> str:
+    if not qw.logits_spans:
+        return "onednn_int8" if qw.onednn is not None else "int8pack"
+    return next((name for upto, name in qw.logits_spans if rows <= upto), qw.logits_spans[-1][1])
 
 
 def _onednn_int8_logits(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
@@ -176,8 +252,13 @@ def quantized_logits(x: torch.Tensor, qw: QuantizedWeight, refine: int = REFINED
     (measured on SmolLM2's chat answer to the README's question: top-2 gap 0.08 in float32, a tie in
     bfloat16). Sampling reads only the top of the distribution; the tail keeps about that precision
     (int8 rows: measured within 0.9% of the largest logit)."""
-    if qw.onednn is not None:
+    kernel = _logits_kernel(qw, x.shape[0])
+    if kernel == "onednn_int8":
         logits = _onednn_int8_logits(x, qw)  # [M, V]
+    elif kernel == "bf16":
+        from .cpu.onednn_linear import packed_linear
+
+        logits = packed_linear(x.to(COMPUTE_DTYPE), qw.dense).float()  # [M, V]
     else:
         logits = quantized_linear(x, qw).float()  # [M, V]
     if qw.layout != "int8" or qw.exact_scales is None or refine <= 0:

@@ -37,9 +37,11 @@ class UnsupportedQuantizationError(InvalidConfigError):
 class GGUFTensors:
     """Name -> tensor view of one GGUF file (memory-mapped)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, int4_layout=None) -> None:
+        """``int4_layout``: int4_from_groups' layout choice (kernels/quant_linear.int4_layout_chooser)."""
         from gguf import GGUFReader
 
+        self.int4_layout = int4_layout
         self.path = Path(path)
         self._reader = GGUFReader(str(path))
         self._tensors = {t.name: t for t in self._reader.tensors}
@@ -65,7 +67,7 @@ class GGUFTensors:
 
     def quantized(self, name: str, rows: np.ndarray | None = None) -> QuantizedWeight:
         """The 2-D weight ``name`` ([out, in]) in our layout; ``rows`` reorders its output rows."""
-        return pack(self.unpacked(name, rows))
+        return pack(self.unpacked(name, rows), self.int4_layout)
 
     def unpacked(self, name: str, rows: np.ndarray | None = None) -> tuple:
         """("int4", q, scale, zero) or ("int8", q, scale) before packing: weights that share an input
@@ -84,18 +86,18 @@ class GGUFTensors:
         return ("int4", *int4_groups_of_float(w)) if kind in REQUANT_INT4 else ("int8", *int8_rows_of_float(w))
 
 
-def pack(parts: tuple) -> QuantizedWeight:
+def pack(parts: tuple, int4_layout=None) -> QuantizedWeight:
     if parts[0] == "int8":
         return int8_from_channels(*parts[1:])
     q, scale, zero = parts[1:]
-    return int4_from_groups(q, scale, zero, q.shape[1] // scale.shape[1])
+    return int4_from_groups(q, scale, zero, q.shape[1] // scale.shape[1], layout=int4_layout)
 
 
-def stack(parts: list[tuple]) -> QuantizedWeight:
+def stack(parts: list[tuple], int4_layout=None) -> QuantizedWeight:
     """One weight of several unpacked ones with the same input, rows in order."""
     if any(p[0] != parts[0][0] for p in parts):  # mixed types in one group: all as int8 rows
         parts = [p if p[0] == "int8" else ("int8", *int8_rows_of_float(_dense_int4(p))) for p in parts]
-    return pack((parts[0][0], *(torch.cat([p[i] for p in parts]) for i in range(1, len(parts[0])))))
+    return pack((parts[0][0], *(torch.cat([p[i] for p in parts]) for i in range(1, len(parts[0])))), int4_layout)
 
 
 def _dense_int4(p: tuple) -> torch.Tensor:

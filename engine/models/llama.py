@@ -35,7 +35,7 @@ from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.parallel import SINGLE, TPGroup
 from kernels import KernelOps
-from kernels.quant_linear import QuantizedWeight, quantized_logits, with_onednn_int8, with_quantized_linear
+from kernels.quant_linear import QuantizedWeight, quantized_logits, with_quantized_linear
 
 
 class RMSNorm(nn.Module):
@@ -164,10 +164,10 @@ class LlamaForCausalLM(nn.Module):
         pack_gate_up = ops.pack_gate_up if self._fused_mlp else ops.pack_weight
         self._layers = tuple(LayerWeights.of(layer, ops.pack_weight, pack_gate_up) for layer in self.model.layers)
         head = self.lm_head.weight
-        if isinstance(head, QuantizedWeight):  # an int8 table: prepacked for oneDNN's int8 matmul where torch has it
-            self._lm_head = with_onednn_int8(head) if ops.name == "cpu" else head
+        if isinstance(head, QuantizedWeight):  # an int8 table: its logits kernel measured where the ops can
+            self._lm_head = ops.pack_lm_head(head) if ops.pack_lm_head else head
         else:
-            self._lm_head = ops.pack_weight(head.detach())  # no Parameter
+            self._lm_head = (ops.pack_lm_head or ops.pack_weight)(head.detach())  # no Parameter
 
     @property
     def quantized(self) -> bool:

@@ -16,13 +16,14 @@ from engine.models.gguf_weights import GGUFTensors, UnsupportedQuantizationError
 from engine.models.hf_quantized import dequantized_state, hf_quantization, quantized_projections
 from engine.models.quantized import QuantizedLinear, gguf_source, quantize_model
 from engine.models.sharding import local_config, shard_state
+from kernels.quant_linear import int4_layout_chooser
 
 
 QUANTIZATION_MODES = ("gguf", "none")
 logger = logging.getLogger("prefixserve")
 
 
-def quantized_source(folder: str | Path, quantization: str | None):
+def quantized_source(folder: str | Path, quantization: str | None, dispatch=None):
     """The GGUF tensors to serve quantized, or None to load the (dense) HF folder.
 
     ``quantization``: "gguf" requires a quantized GGUF source; "none" always loads dense weights;
@@ -32,7 +33,8 @@ def quantized_source(folder: str | Path, quantization: str | None):
     if quantization in ("none", "folder"):
         return None
     source = gguf_source(folder)
-    tensors = GGUFTensors(source) if source is not None else None
+    layout = int4_layout_chooser(dispatch) if dispatch is not None else None  # measured per shape at load
+    tensors = GGUFTensors(source, int4_layout=layout) if source is not None else None
     if tensors is None or not tensors.is_quantized():
         if quantization == "gguf":
             raise UnsupportedQuantizationError(
@@ -42,9 +44,10 @@ def quantized_source(folder: str | Path, quantization: str | None):
 
 
 def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               tp: TPGroup = SINGLE, quantization: str | None = "none") -> LlamaForCausalLM:
+               tp: TPGroup = SINGLE, quantization: str | None = "none", dispatch=None) -> LlamaForCausalLM:
     """The model, or with ``tp`` of several ranks this rank's shard of it (engine/models/sharding.py);
-    with a quantized GGUF source (``quantized_source``) its linears and embedding stay quantized."""
+    with a quantized GGUF source (``quantized_source``) its linears and embedding stay quantized, their
+    layouts measured by ``dispatch`` (kernels/cpu/dispatch.py) where one is given."""
     folder = Path(folder)
     inv_freq, rope_scaling = rope_frequencies(folder)
     full = cfg
@@ -52,7 +55,7 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
     # Build on the meta device: no time spent on random init of weights we overwrite anyway.
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, torch.empty(cfg.head_dim // 2), rope_scaling, tp=tp, vocab_size=full.vocab_size)
-    tensors = quantized_source(folder, quantization)
+    tensors = quantized_source(folder, quantization, dispatch if device.type == "cpu" else None)
     if tensors is not None and (tp.size > 1 or device.type != "cpu"):
         if quantization == "gguf":
             raise UnsupportedQuantizationError(

@@ -71,7 +71,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 def _fused(tensors: GGUFTensors, names: list[str], rows: list[np.ndarray | None]) -> QuantizedWeight:
     """Several projections of one input (q, k, v / gate, up) as one weight, rows stacked."""
-    return stack([tensors.unpacked(n, r) for n, r in zip(names, rows)])
+    return stack([tensors.unpacked(n, r) for n, r in zip(names, rows)], tensors.int4_layout)
 
 
 def _bias(tensors: GGUFTensors, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:

@@ -143,10 +143,34 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+@functools.cache
+def os_grants_amx() -> bool:
+    """Linux lets this process use AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, as oneDNN and
+    csrc/flash_amx.h ask): a CPU can list amx_bf16 under a kernel or VM that withholds the tile state."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
 @functools.cache
 def cpu_has_amx() -> bool:
-    """The CPU has AMX for bfloat16 (Intel Sapphire Rapids and later): torch's oneDNN paths use it."""
-    return "amx_bf16" in _cpu_flags().split()
+    """The CPU has AMX for bfloat16 (Intel Sapphire Rapids and later) and the OS grants its tiles: torch's
+    oneDNN paths and the AMX attention items use it."""
+    return "amx_bf16" in _cpu_flags().split() and os_grants_amx()
 
 
 @functools.cache
@@ -180,11 +204,20 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(cc: str) -> Path:
+def _build_key(cc: str) -> str:
     sources = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256(b"\0".join([*sources, cc.encode(), " ".join(FLAGS).encode(),
-                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    target = _cache_root() / key / "libprefixserve_cpu.so"
+    return hashlib.sha256(b"\0".join([*sources, cc.encode(), " ".join(FLAGS).encode(),
+                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+
+
+def native_build_id() -> str:
+    """The C kernels' build (sources, compiler, flags, CPU) as the cache names it; "none" without a compiler."""
+    cc = _compiler()
+    return _build_key(cc) if cc else "none"
+
+
+def _build(cc: str) -> Path:
+    target = _cache_root() / _build_key(cc) / "libprefixserve_cpu.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,10 @@ from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
 from .linear import (EVERY_ROW, CpuLinearWeight, c_kernel_rows, covers, has_lanes, lanes_linear, lanes_linear_silu_mul,
                      linear_covered, pack_lanes, pack_lanes_gated, rows_covered)
 from ..interface import KernelOps
+from ..quant_linear import with_logits_kernels
 from .paged_attention import call_decode, paged_attention_decode_cpu, paged_attention_prefill_cpu
+from .choices import HEAD_ROWS, LINEAR_ROWS, linear_small_rows
+from .dispatch import EVERY, Dispatcher
 from .scratch import Scratch
 from .store_kv import store_kv_cpu
 
@@ -69,13 +72,17 @@ def checked_cpu_ops() -> KernelOps:
                      linear_silu_mul=_checked_linear_silu_mul, pack_gate_up=pack_gate_up)
 
 
-def pack_weight(weight, *, gated: bool = False):
-    """A float32 / bfloat16 weight in the forms the bound linear reads on this CPU (linear.CpuLinearWeight,
-    linear.c_kernel_rows): the lanes layout for every row count (AVX-512 without AMX), or beside
-    oneDNN's packed copy for a few rows; oneDNN's packed copy alone elsewhere; anything else as is.
-    ``gated``: an MLP's gate_up [2I, K] for linear_silu_mul, its lanes form reordered for the fused kernel
-    (linear.pack_lanes_gated)."""
-    rows = c_kernel_rows(weight.dtype) if (weight.dim() == 2 and weight.device.type == "cpu") else 0
+def pack_weight(weight, *, gated: bool = False, rows: int | None = None):
+    """A float32 / bfloat16 weight in the forms the bound linear reads on this CPU (linear.CpuLinearWeight):
+    the C kernel's form (the lanes layout on AVX-512, else the plain weight) for up to ``rows`` rows,
+    beside oneDNN's packed copy for more, or one of the two alone; anything else as is. ``rows``: as the
+    bound ops measured it (choices.linear_small_rows; EVERY_ROW: every row count), else the flags' policy
+    (linear.c_kernel_rows). ``gated``: an MLP's gate_up [2I, K] for linear_silu_mul, its lanes form
+    reordered for the fused kernel (linear.pack_lanes_gated)."""
+    if not (weight.dim() == 2 and weight.device.type == "cpu"):
+        rows = 0
+    elif rows is None:
+        rows = c_kernel_rows(weight.dtype)
     if rows == 0:
         return onednn_linear.pack_weight(weight)
     lanes = has_lanes(weight.dtype)
@@ -110,13 +117,15 @@ def _checked_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -
     return cpu_linear(x, weight, bias)
 
 
-def cpu_ops(dtype: torch.dtype, *, checked: bool = False) -> KernelOps:
+def cpu_ops(dtype: torch.dtype, *, checked: bool = False, dispatch: Dispatcher | None = None) -> KernelOps:
+    """The op set for a model in ``dtype``. Bound ops choose their weights' forms by measuring them here
+    (``dispatch``, kernels/cpu/choices.py); the checked launchers keep the flags' policy."""
     if dtype == torch.bfloat16 and not onednn_linear.onednn_bf16_supported():
         _warn_slow_bfloat16()
     native = native_kernels()
     if checked or native is None or not native.has_dtype(dtype):
         return checked_cpu_ops()
-    return _BoundCpuOps(native, dtype).ops()
+    return _BoundCpuOps(native, dtype, dispatch or Dispatcher()).ops()
 
 
 @functools.cache  # once per process
@@ -129,8 +138,8 @@ def _warn_slow_bfloat16() -> None:
 class _BoundCpuOps:
     """Closures over one dtype's C entry points (see the module docstring for their contract)."""
 
-    def __init__(self, native: NativeKernels, dtype: torch.dtype) -> None:
-        self.native, self.dtype = native, dtype
+    def __init__(self, native: NativeKernels, dtype: torch.dtype, dispatch: Dispatcher) -> None:
+        self.native, self.dtype, self.dispatch = native, dtype, dispatch
         self.c_linear = native.linear_for(dtype)
         self.lanes_linear = native.lanes_for(dtype)
         self.linear_rows = rows_covered(native, dtype)
@@ -146,7 +155,56 @@ class _BoundCpuOps:
     def ops(self) -> KernelOps:
         return KernelOps("cpu", self.linear, self.add_rms_norm, self.silu_mul, self.rope, self.store_kv,
                          self.decode, functools.partial(paged_attention_prefill_cpu, scratch=self.scratch),
-                         copy_blocks_torch, pack_weight, linear_silu_mul=self.linear_silu_mul, pack_gate_up=pack_gate_up)
+                         copy_blocks_torch, self.pack_weight, linear_silu_mul=self.linear_silu_mul,
+                         pack_gate_up=functools.partial(self.pack_weight, gated=True), pack_lm_head=self.pack_lm_head)
+
+    # -- weights, in the forms measured fastest here (kernels/cpu/choices.py) ------------------------
+    def pack_weight(self, weight, *, gated: bool = False, rows: tuple[int, ...] = LINEAR_ROWS):
+        if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type == "cpu"
+                and weight.dtype == self.dtype):
+            return pack_weight(weight, gated=gated)
+        fused = gated and has_lanes(self.dtype)  # gate_up + SiLU-and-multiply in one C pass
+        small = self._small_form(fused, tuple(weight.shape))
+        if small is None:  # no C kernel for this dtype here: the GEMM form alone
+            return pack_weight(weight, gated=gated, rows=0)
+        measured = linear_small_rows(self.dispatch, weight, gated=fused, small=small, large=self._large_form(fused),
+                                     limit=EVERY if small[0] == "lanes" else max(self.linear_rows), rows=rows)
+        return pack_weight(weight, gated=gated, rows=EVERY_ROW if measured >= EVERY else measured)
+
+    def pack_lm_head(self, weight):
+        """The LM head: a dense weight as pack_weight at the row counts a head computes; an int8 table with
+        its logits kernel measured per row count (quant_linear.with_logits_kernels)."""
+        if isinstance(weight, torch.Tensor):
+            return self.pack_weight(weight, rows=HEAD_ROWS)
+        return with_logits_kernels(weight, self.dispatch)
+
+    def _small_form(self, gated: bool, shape: tuple[int, int]):
+        """(name, pack, call) of the C kernel's form for a weight of ``shape`` (N, K), or None where no C
+        linear takes this dtype."""
+        n, k = shape
+        if has_lanes(self.dtype):
+            if gated:
+                return "lanes", pack_lanes_gated, lambda x, w: self._gated_call(x, w, (n // 2, k))
+            return "lanes", pack_lanes, lambda x, w: self._c_linear_call(self.lanes_linear, x, w, shape, None)
+        if self.dtype == torch.float32 and self.linear_rows:
+            return "rows", lambda w: w.detach().contiguous(), lambda x, w: self._c_linear_call(self.c_linear, x, w,
+                                                                                                 shape, None)
+        return None
+
+    def _large_form(self, gated: bool):
+        """(name, pack, call) of the GEMM form: oneDNN's packed copy where it packs this dtype, else F.linear."""
+        if onednn_linear.pack_weight(torch.zeros(1, 1, dtype=self.dtype)).is_mkldnn:
+            name, pack, call = "onednn", onednn_linear.pack_weight, onednn_linear.packed_linear
+        else:
+            name, pack, call = "torch", (lambda w: w.detach()), F.linear
+        return (name, pack, (lambda x, w: self.silu_mul(call(x, w)))) if gated else (name, pack, call)
+
+    def _gated_call(self, x: torch.Tensor, w: torch.Tensor, shape) -> torch.Tensor:
+        i, k = shape
+        out = torch.empty((x.shape[0], i), dtype=self.dtype)
+        self.gated_linear(x.data_ptr(), w.data_ptr(), None, out.data_ptr(), x.shape[0], i, k, x.stride(0), i,
+                          torch.get_num_threads())
+        return out
 
     # x: [M, K] rows contiguous; weight [N, K] and bias [N] contiguous, all in the bound dtype.
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:

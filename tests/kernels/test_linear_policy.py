@@ -1,6 +1,7 @@
-"""The CPU linear policy for weights packed at bind (linear.c_kernel_rows): the lanes layout for every
-row count on AVX-512, beside oneDNN's packed copy where a C kernel only takes a few rows; each row
-count goes to its path and every path gives F.linear's result."""
+"""The CPU linear's weight forms (ops.pack_weight): the lanes layout for every row count on AVX-512, beside
+oneDNN's packed copy where a C kernel only takes a few rows; each row count goes to its path and every path
+gives F.linear's result. The forms here follow the flags' policy (linear.c_kernel_rows, monkeypatched to
+stand for other CPUs); the bound ops measure theirs (tests/kernels/test_dispatch.py)."""
 from __future__ import annotations
 
 import pytest
@@ -25,10 +26,10 @@ def test_few_rows_take_the_row_kernel_and_the_rest_the_packed_copy(monkeypatch, 
     ops = ops_mod.cpu_ops(torch.float32, checked=checked)
     torch.manual_seed(0)
     w, b = torch.randn(200, 96), torch.randn(200)
-    packed = ops.pack_weight(w)
+    packed = ops_mod.pack_weight(w)
     assert type(packed) is CpuLinearWeight and packed.packed.is_mkldnn and not packed.lanes
     assert packed.small.data_ptr() == w.data_ptr()  # the module's own weight, not a copy
-    assert type(ops.pack_weight(w.bfloat16())) is not CpuLinearWeight  # none for bfloat16 here
+    assert type(ops_mod.pack_weight(w.bfloat16())) is not CpuLinearWeight  # none for bfloat16 here
     c_calls, real = [], ops_mod.linear_covered
     if checked:  # the bound ops call the C entry point directly: only the checking path can be counted
         monkeypatch.setattr(ops_mod, "linear_covered", lambda *a: c_calls.append(a[0].shape[0]) or real(*a))
@@ -45,7 +46,7 @@ def test_few_rows_take_the_row_kernel_and_the_rest_the_packed_copy(monkeypatch, 
 def test_no_second_form_where_packed_wins_everywhere(monkeypatch):
     monkeypatch.setattr(ops_mod, "c_kernel_rows", lambda dtype: 0)
     w = torch.randn(64, 32)
-    assert ops_mod.cpu_ops(torch.float32).pack_weight(w).is_mkldnn
+    assert ops_mod.pack_weight(w).is_mkldnn
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -63,7 +64,7 @@ def test_lanes_for_every_row_count_or_below_oneDNN(monkeypatch, dtype, amx, chec
     ops = ops_mod.cpu_ops(dtype, checked=checked)
     torch.manual_seed(3)
     w, b = torch.randn(77, 45, dtype=dtype), torch.randn(77, dtype=dtype)
-    packed = ops.pack_weight(w)
+    packed = ops_mod.pack_weight(w)
     assert type(packed) is CpuLinearWeight and packed.lanes and packed.shape == (77, 45)
     assert (packed.packed is None) == (not amx)
     for rows in (1, 2, 7, 8, 9, 16, 17, 64, 65, 130):
@@ -129,7 +130,7 @@ def test_gate_up_with_silu_mul_in_one_pass_gives_the_two_ops_values(monkeypatch,
     torch.manual_seed(5)
     i, k = 37, 45
     w, b = (torch.randn(2 * i, k) / 4).to(dtype), torch.randn(2 * i).to(dtype)
-    gate_up, plain = ops.pack_gate_up(w), ops.pack_weight(w)
+    gate_up, plain = ops_mod.pack_gate_up(w), ops_mod.pack_weight(w)
     assert type(gate_up) is CpuLinearWeight and gate_up.gated and gate_up.shape == (2 * i, k)
     for rows in (1, 3, 8, 9, 17, 64, 65, 130):
         x = torch.randn(rows, k).to(dtype)

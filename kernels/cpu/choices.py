@@ -1,0 +1,106 @@
+"""The CPU op choices made by measurement at bind (kernels/cpu/dispatch.py), one function per op:
+
+    linear_small_rows(dispatch, weight, gated, ...)  rows the C linear takes before the GEMM form (dense weights)
+    lm_head_spans(dispatch, qw)                      which kernel computes an int8 LM head's logits, per row count
+    int4_layout(dispatch, n, k, group_size)          the int4 weight layout (C kernel or torch's), per shape
+
+Each times its eligible implementations on inputs of the model's own shapes, with enough copies of the
+weight that they stream from memory as in a forward (a weight that sits in the cache flatters the
+kernel that reads it least efficiently), and checks each against the reference.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import EVERY, Dispatcher
+
+LINEAR_ROWS = (1, 4, 8, 16, 32, 64, 256, 512)  # decode batches, then prefill chunks (GEMM efficiency levels off)
+HEAD_ROWS = (1, 4, 8, 16, 32, 64)  # an LM head computes logits only where a token is sampled
+INT4_ROWS = (1, 8, 64, 512)
+STREAM_BYTES = 64 << 20  # copies of a small weight until they exceed the last-level cache
+MAX_COPIES = 16
+
+
+def copies_of(nbytes: int) -> int:
+    return max(1, min(MAX_COPIES, -(-STREAM_BYTES // max(nbytes, 1))))
+
+
+def rotating(call: Callable, forms: list) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fn(x) calling ``call(x, form)`` on the next of ``forms`` each time (each call reads a cold weight)."""
+    cycle = itertools.cycle(forms)
+    return lambda x: call(x, next(cycle))
+
+
+def linear_small_rows(dispatch: Dispatcher, weight: torch.Tensor, *, gated: bool, small: tuple, large: tuple,
+                      limit: int, rows: tuple[int, ...] = LINEAR_ROWS) -> int:
+    """Up to how many rows the C kernel's form (``small``: (name, pack, call)) beats the GEMM form
+    (``large``: (name, pack, call)) on this weight's shape: 0, a row count, or EVERY (every row count).
+    ``gated``: an MLP's gate_up through linear + SiLU-and-multiply; ``limit``: the most rows the C kernel
+    takes. A second form is kept only where it saves >= 10% (it is a second copy of the weight)."""
+    n, k = weight.shape
+    (small_name, small_pack, small_call), (large_name, large_pack, large_call) = small, large
+
+    def setup():
+        weights = [weight] + [weight.clone() for _ in range(copies_of(weight.numel() * weight.element_size()) - 1)]
+        candidates = {small_name: rotating(small_call, [small_pack(w) for w in weights]),
+                      large_name: rotating(large_call, [large_pack(w) for w in weights])}
+        gen = torch.Generator().manual_seed(0)
+        return candidates, lambda m: torch.randn(m, k, generator=gen).to(weight.dtype), reference
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.float(), weight.float())
+        if gated:
+            gate, up = y.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return y
+
+    choice = dispatch.choose("linear_silu_mul" if gated else "linear", f"{weight.dtype} {n}x{k}",
+                             [small_name, large_name], setup, tuple(r for r in rows if r <= limit),
+                             tol=0.02 if weight.dtype == torch.bfloat16 else 1e-4, mode="threshold")
+    upto = choice.up_to(small_name)
+    return EVERY if upto >= EVERY and limit >= EVERY else min(upto, limit)
+
+
+def lm_head_spans(dispatch: Dispatcher, qw, candidates: dict[str, Callable[[], Callable]]
+                  ) -> tuple[tuple[int, str], ...]:
+    """Which of ``candidates`` (name -> a builder of fn(x [M, K]) -> logits [M, V]) computes an int8 LM head's
+    logits at each row count, measured against the float32 product of its int8 rows."""
+    from ..quant_linear import dequantize
+
+    def setup():
+        table = dequantize(qw)  # [V, K] float32
+        gen = torch.Generator().manual_seed(0)
+        return ({name: build() for name, build in candidates.items()},
+                lambda m: torch.randn(m, qw.in_features, generator=gen), lambda x: x.float() @ table.t())
+
+    choice = dispatch.choose("lm_head", f"int8 {qw.out_features}x{qw.in_features}", list(candidates), setup,
+                             HEAD_ROWS, tol=0.05)
+    return choice.by_rows
+
+
+def int4_layout(dispatch: Dispatcher, n: int, k: int, group_size: int, candidates: dict[str, tuple]) -> str:
+    """The int4 layout (name -> (pack(q, scale, zero) -> QuantizedWeight, run(x, qw) -> y)) for weights of
+    this shape: one layout serves every row count (both would be two copies), the best over decode and
+    prefill row counts."""
+    def setup():
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        scale = torch.rand(n, k // group_size, generator=gen) / 64 + 1e-3
+        zero = torch.randn(n, k // group_size, generator=gen) / 64
+        w = ((q.float() - 8).view(n, k // group_size, group_size) * scale[..., None] + zero[..., None]).view(n, k)
+        fns = {}
+        for name, (pack, run) in candidates.items():
+            try:
+                forms = [pack(q, scale, zero) for _ in range(copies_of(n * k // 2))]
+            except Exception:  # a layout that cannot hold this shape is not eligible
+                continue
+            fns[name] = rotating(run, forms)
+        return fns, lambda m: torch.randn(m, k, generator=gen), lambda x: x.float() @ w.t()
+
+    choice = dispatch.choose("int4_linear", f"{n}x{k} g{group_size}", list(candidates), setup, INT4_ROWS,
+                             tol=0.03, mode="single")
+    return choice.by_rows[0][1]

@@ -1,0 +1,151 @@
+"""Choosing implementations by measurement (kernels/cpu/dispatch.py, kernels/cpu/choices.py): the rules that
+turn timings into a choice, the checks that keep a wrong or far slower implementation out, the cache that
+makes later starts measure nothing, the override, and the choices the bound CPU ops make."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu.dispatch import EVERY, Choice, Dispatcher, _per_row, _single, _threshold
+
+ROWS = (1, 8, 64)
+
+
+def _times(table: dict[str, tuple[float, ...]]) -> dict[str, dict[str, float]]:
+    return {name: {str(m): t for m, t in zip(ROWS, ts)} for name, ts in table.items()}
+
+
+def test_per_row_takes_the_fastest_and_collapses_spans():
+    times = _times({"a": (1.0, 2.0, 9.0), "b": (3.0, 2.01, 3.0)})
+    assert _per_row(["a", "b"], times, ROWS) == ((8, "a"), (EVERY, "b"))  # 8 rows: a tie within 3% keeps a
+
+
+def test_single_takes_the_best_mean_ratio():
+    times = _times({"a": (1.0, 1.0, 10.0), "b": (1.2, 1.2, 1.2)})
+    assert _single(["a", "b"], times, ROWS) == ((EVERY, "b"),)
+
+
+def test_threshold_keeps_a_second_form_only_for_a_clear_gain():
+    clear = _times({"small": (1.0, 1.0, 4.0), "large": (2.0, 2.0, 1.0)})
+    assert _threshold(["small", "large"], clear, ROWS) == ((8, "small"), (EVERY, "large"))
+    slight = _times({"small": (1.0, 1.0, 1.05), "large": (1.5, 1.5, 1.0)})  # 5% at 64 rows: not worth a copy
+    assert _threshold(["small", "large"], slight, ROWS) == ((EVERY, "small"),)
+    never = _times({"small": (2.0, 2.0, 2.0), "large": (1.0, 1.0, 1.0)})
+    assert _threshold(["small", "large"], never, ROWS) == ((EVERY, "large"),)
+
+
+def test_a_choice_names_its_implementation_for_every_row_count():
+    c = Choice("op", "k", ((8, "a"), (EVERY, "b")), _times({"a": (1.0, 1.0, 3.0), "b": (2.0, 2.0, 2.0)}))
+    assert [c.name_for(m) for m in (1, 8, 9, 64, 10_000)] == ["a", "a", "b", "b", "b"]
+    assert c.up_to("a") == 8 and c.up_to("b") == 0 and c.names() == ["a", "b"]
+    assert c.slowdown() == pytest.approx(1.0)
+    worse = Choice("op", "k", ((EVERY, "b"),), c.times_ms)
+    assert worse.slowdown() == pytest.approx(2.0)  # b at 1 and 8 rows where a takes 1.0
+    assert "a for 1-8 rows, b for 9-... rows" in c.describe()
+
+
+def _fake(work_s: dict[str, float], calls: dict[str, int], wrong: str | None = None):
+    def make(name):
+        def fn(x):
+            calls[name] = calls.get(name, 0) + 1
+            deadline = time.perf_counter() + work_s[name] * x.shape[0]
+            while time.perf_counter() < deadline:
+                pass
+            return x * (2.0 if name == wrong else 1.0)
+        return fn
+
+    return {name: make(name) for name in work_s}
+
+
+def test_measuring_checks_results_drops_the_far_slower_and_caches(tmp_path):
+    calls: dict[str, int] = {}
+    built = []
+
+    def setup():
+        built.append(1)
+        work = {"fast": 1e-5, "slow": 3e-4, "wrong": 1e-6}  # seconds of work per row
+        return _fake(work, calls, wrong="wrong"), lambda m: torch.ones(m, 4), lambda x: x
+
+    names = ["fast", "slow", "wrong"]
+    first = Dispatcher(cache_dir=tmp_path, overrides="").choose("op", "k", names, setup, (1, 8, 64), tol=1e-3)
+    assert first.how == "measured" and first.names() == ["fast"] and len(built) == 1
+    assert "off by" in first.rejected["wrong"] and "slower than the fastest at 1 rows" in first.rejected["slow"]
+    assert set(first.times_ms) == {"fast"} and calls["slow"] <= 9  # checked, warmed, timed at 1 row only
+    again = Dispatcher(cache_dir=tmp_path, overrides="").choose("op", "k", names,
+                                                               lambda: pytest.fail("measured again"), (1, 8, 64))
+    assert again.how == "cached" and again.by_rows == first.by_rows and again.rejected == first.rejected
+    other = Dispatcher(cache_dir=tmp_path, overrides="").choose("op", "other shape", ["fast"], setup_one(), (1,))
+    assert other.how == "measured"
+
+
+def setup_one():
+    return lambda: ({"fast": lambda x: x}, lambda m: torch.ones(m, 4), lambda x: x)
+
+
+def test_an_override_forces_a_choice_and_a_wrong_name_is_refused(tmp_path):
+    d = Dispatcher(cache_dir=tmp_path, overrides="op=slow")
+    c = d.choose("op", "k", ["fast", "slow"], lambda: pytest.fail("measured a forced op"), (1,))
+    assert c.how == "forced" and c.name_for(1) == "slow" == c.name_for(10**6)
+    with pytest.raises(ValueError, match="not one of"):
+        Dispatcher(cache_dir=tmp_path, overrides="op=nope").choose("op", "k", ["fast"], setup_one(), (1,))
+    with pytest.raises(ValueError, match="op=implementation"):
+        Dispatcher(cache_dir=tmp_path, overrides="garbage")
+
+
+def test_no_correct_implementation_is_an_error(tmp_path):
+    d = Dispatcher(cache_dir=tmp_path, overrides="")
+    with pytest.raises(RuntimeError, match="no implementation ran correctly"):
+        d.choose("op", "k", ["wrong"], lambda: ({"wrong": lambda x: x + 1}, lambda m: torch.ones(m, 4), lambda x: x),
+                 (1,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_ops_pack_in_the_forms_they_measured_and_compute_the_linear(tmp_path, dtype):
+    from kernels.cpu.native import native_kernels
+    from kernels.cpu.ops import cpu_ops
+
+    if native_kernels() is None or not native_kernels().has_dtype(dtype):
+        pytest.skip("no C kernels for this dtype here")
+    d = Dispatcher(cache_dir=tmp_path, overrides="")
+    ops = cpu_ops(dtype, dispatch=d)
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
+    packed = ops.pack_weight(w)
+    (choice,) = d.choices.values()
+    assert choice.op == "linear" and choice.key == f"{dtype} 96x64" and choice.how == "measured"
+    assert choice.slowdown() < 1.5  # bound within 1.5x of the fastest at every row count it measured
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    for rows in (1, 5, 64, 300):
+        x = torch.randn(rows, 64).to(dtype)
+        torch.testing.assert_close(ops.linear(x, packed, b), F.linear(x, w, b), **tol)
+
+
+def test_the_quantized_head_keeps_only_what_it_binds(tmp_path):
+    """An int8 LM head: the logits kernel per row count is measured, forms it does not bind are not kept, and
+    the logits match the float32 product of its rows where greedy choices are made (the refined top)."""
+    from kernels.quant_linear import dequantize, int8_from_float, quantized_logits, with_logits_kernels
+
+    torch.manual_seed(0)
+    qw = int8_from_float(torch.randn(512, 64))
+    d = Dispatcher(cache_dir=tmp_path, overrides="")
+    head = with_logits_kernels(qw, d)
+    kernels = {name for _, name in head.logits_spans}
+    assert kernels and (head.dense is not None) == ("bf16" in kernels)
+    assert (head.onednn is not None) == ("onednn_int8" in kernels)
+    assert d.choices["lm_head:int8 512x64"].slowdown() < 1.5
+    for rows in (1, 9, 64):
+        x = torch.randn(rows, 64)
+        logits, exact = quantized_logits(x, head), x @ dequantize(qw).t()
+        assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+        torch.testing.assert_close(logits, exact, atol=0.05 * exact.abs().max().item(), rtol=0)
+
+
+def test_forced_int8pack_head_binds_no_second_table(tmp_path):
+    from kernels.quant_linear import int8_from_float, with_logits_kernels
+
+    head = with_logits_kernels(int8_from_float(torch.randn(256, 32)), Dispatcher(cache_dir=tmp_path,
+                                                                                 overrides="lm_head=int8pack"))
+    assert head.logits_spans == ((EVERY, "int8pack"),) and head.dense is None and head.onednn is None
