@@ -24,7 +24,7 @@ from engine.kv_tiers import build_kv_tiers, tier_stats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.config import ModelConfig, load_model_config
 from engine.models.loader import load_model
-from engine.models.quantized import weight_bytes
+from engine.models.packed_weights import resident_bytes
 from engine.models.parallel import SINGLE, TPGroup
 from engine.models.sharding import local_config
 from engine.models.resolve import model_fingerprint, names_gguf, resolve_model
@@ -65,7 +65,6 @@ class Engine:
         model = load_model(folder, self.model_config, self.dtype, self.device, tp=tp,
                            quantization=effective_quantization(config.quantization, config.model),
                            dispatch=self.dispatch)
-        self.weight_bytes = weight_bytes(model)
         self.quantization = model.quantization
         shard_config = local_config(self.model_config, tp)  # this rank's heads and KV heads
         num_blocks = self._num_kv_blocks()
@@ -91,6 +90,7 @@ class Engine:
             total_kv_heads=self.model_config.num_kv_heads, cuda_graph_sizes=self._cuda_graph_sizes(ops),
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
+        self.weight_bytes = resident_bytes(model)  # once bound: each weight in the form its kernels read, once
         if self.dispatch.choices:
             logger.info("kernels chosen by measurement here (cached in %s): %s", self.dispatch.cache_dir,
                         self.dispatch.summary())

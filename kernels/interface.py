@@ -47,6 +47,9 @@ class KernelOps:
     # The LM head's weight (dense, or an int8 table) in the form its logits are computed fastest in here;
     # None: pack_weight for a dense head, an int8 table as it is.
     pack_lm_head: Callable | None = None
+    # pack_weight's inverse: a weight [N, K] back from its bound form, exactly (the model releases the plain
+    # tensors its bound forms duplicate and unpacks them to bind another op set)
+    unpack_weight: Callable = unpacked
 
 
 def debug_kernels() -> bool:

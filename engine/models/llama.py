@@ -35,6 +35,7 @@ from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.parallel import SINGLE, TPGroup
 from kernels import KernelOps
+from engine.models.packed_weights import release_layer, release_module, restore
 from kernels.quant_linear import QuantizedWeight, quantized_logits, with_quantized_linear
 
 
@@ -152,6 +153,8 @@ class LlamaForCausalLM(nn.Module):
         inference only: its weights stop requiring grad. Bound CPU ops read raw pointers: they need
         every weight contiguous in one dtype, which is checked here, once. Linear weights are packed
         into the ops' own layout here too (ops.pack_weight; on CPU a second, blocked copy of each)."""
+        if self.ops is not None:  # bound before: the released plain weights come back from those forms
+            restore(self, self.ops)
         self.requires_grad_(False)
         dtype = self.model.norm.weight.dtype
         if self.quantized:  # the same ops, with a linear that also takes QuantizedWeight
@@ -162,12 +165,18 @@ class LlamaForCausalLM(nn.Module):
         # SwiGLU in one op where the backend fuses it (CPU lanes kernels); Gemma's GELU MLP in two.
         self._fused_mlp = ops.linear_silu_mul is not None and self.config.hidden_act == "silu"
         pack_gate_up = ops.pack_gate_up if self._fused_mlp else ops.pack_weight
-        self._layers = tuple(LayerWeights.of(layer, ops.pack_weight, pack_gate_up) for layer in self.model.layers)
+        layers = []
+        for layer in self.model.layers:  # each layer's plain weights released once packed (packed_weights.py)
+            layers.append(LayerWeights.of(layer, ops.pack_weight, pack_gate_up))
+            release_layer(layer, layers[-1])
+        self._layers = tuple(layers)
         head = self.lm_head.weight
         if isinstance(head, QuantizedWeight):  # an int8 table: its logits kernel measured where the ops can
             self._lm_head = ops.pack_lm_head(head) if ops.pack_lm_head else head
         else:
             self._lm_head = (ops.pack_lm_head or ops.pack_weight)(head.detach())  # no Parameter
+            if not self.config.tie_word_embeddings:  # a tied head is the embedding table, which stays
+                release_module(self.lm_head, self._lm_head)
 
     @property
     def quantized(self) -> bool:

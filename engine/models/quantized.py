@@ -57,18 +57,6 @@ def gguf_source(folder: str | Path) -> Path | None:
     return source if source.is_file() else None
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every weight the model holds: dense parameters plus quantized tables."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
-    seen: set[int] = set()
-    for m in model.modules():
-        q = getattr(m, "qweight", None)
-        if isinstance(q, QuantizedWeight) and id(q) not in seen:
-            seen.add(id(q))
-            total += q.nbytes
-    return total
-
-
 def _fused(tensors: GGUFTensors, names: list[str], rows: list[np.ndarray | None]) -> QuantizedWeight:
     """Several projections of one input (q, k, v / gate, up) as one weight, rows stacked."""
     return stack([tensors.unpacked(n, r) for n, r in zip(names, rows)], tensors.int4_layout)

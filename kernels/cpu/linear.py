@@ -81,6 +81,46 @@ def pack_lanes_gated(weight: torch.Tensor) -> torch.Tensor:
     return pack_lanes(pairs.reshape(-1, k))
 
 
+def unpack_lanes(lanes: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The inverse of :func:`pack_lanes`: the weight [N, K] of ``shape`` (N, K)."""
+    n, k = shape
+    if lanes.dim() == 4:  # bfloat16 [Np/32, Kp/2, 32, 2]
+        w = lanes.permute(0, 2, 1, 3).reshape(-1, lanes.shape[1] * 2)  # [Np, Kp]
+    else:  # float32 [Np/32, K, 32]
+        w = lanes.permute(0, 2, 1).reshape(-1, lanes.shape[1])  # [Np, K]
+    return w[:n, :k].contiguous()
+
+
+def unpack_lanes_gated(lanes: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The inverse of :func:`pack_lanes_gated`: the gate_up weight [2I, K] (gate rows, then up rows)."""
+    i2, k = shape
+    half = LANES // 2
+    pairs = unpack_lanes(lanes, (lanes.shape[0] * LANES, k)).view(-1, 2, half, k)  # [Ip/16, 2, 16, K]
+    gate, up = pairs[:, 0].reshape(-1, k)[: i2 // 2], pairs[:, 1].reshape(-1, k)[: i2 // 2]
+    return torch.cat((gate, up)).contiguous()
+
+
+def unpack_weight(form) -> torch.Tensor:
+    """A weight [N, K] back from the form the bound linear reads (CpuLinearWeight, oneDNN's packed copy, or
+    the plain tensor): the inverse of ops.pack_weight, exactly."""
+    if type(form) is CpuLinearWeight:
+        if form.lanes:
+            return (unpack_lanes_gated if form.gated else unpack_lanes)(form.small, form.shape)
+        return form.small
+    if isinstance(form, torch.Tensor) and form.is_mkldnn:
+        return form.to_dense()
+    return form
+
+
+def form_nbytes(form) -> int:
+    """Bytes a weight's bound form holds (both of a CpuLinearWeight's forms)."""
+    if type(form) is CpuLinearWeight:
+        return sum(form_nbytes(t) for t in (form.small, form.packed) if t is not None)
+    if isinstance(form, torch.Tensor):
+        return form.numel() * form.element_size()
+    return int(getattr(form, "nbytes", 0))
+
+
 def has_lanes(dtype: torch.dtype) -> bool:
     native = native_kernels()
     return dtype in DTYPE_SUFFIX and native is not None and native.lanes_for(dtype) is not None

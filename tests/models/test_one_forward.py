@@ -69,6 +69,30 @@ def test_backends_bind_their_op_sets(tiny_model_factory):
     assert _llm(path, "float32", attention_backend="torch").engine.runner.model.ops.name == "torch"
     model = _llm(path, "float32").engine.runner.model
     assert model.ops.name == "cpu" and not any(p.requires_grad for p in model.parameters())
+    norm = model.model.layers[0].input_layernorm
     with pytest.raises(ValueError, match="contiguous"):
-        model.model.layers[0].self_attn.o_proj.weight.data = model.model.layers[0].self_attn.o_proj.weight.data.t()
+        norm.weight = torch.nn.Parameter(torch.randn(2 * norm.weight.shape[0])[::2], requires_grad=False)
         model.bind_ops(model.ops)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_are_held_once_and_come_back_exactly_to_bind_again(tiny_model_factory, dtype):
+    """The CPU ops pack each linear into their own form and the module's plain tensor is released; binding the
+    torch references unpacks them exactly (the same forward as a model that never released them)."""
+    from engine.models.packed_weights import resident_bytes
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler: the cpu set packs nothing")
+    path = tiny_model_factory("qwen2")  # biases: kept beside their released weights
+    model = _llm(path, dtype).engine.runner.model
+    linears = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj)]
+    released = [m.weight.device.type == "meta" for m in linears]
+    packs_copies = any(type(w.qkv).__name__ == "CpuLinearWeight" and w.qkv.lanes for w in model._layers)
+    assert all(released) == packs_copies and (any(released) or not packs_copies)
+    fresh = _llm(path, dtype, attention_backend="torch").engine.runner.model  # never packed, never released
+    plain = sum(p.numel() * p.element_size() for p in fresh.parameters())
+    if packs_copies:  # lanes padding aside, one copy (a tied head would add its table once: qwen2's is not tied)
+        assert resident_bytes(model) < 1.1 * plain
+    model.bind_ops(reference_ops())
+    for a, b in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert a[0] == b[0] and torch.equal(a[1], b[1]), a[0]
