@@ -1,5 +1,5 @@
-"""`prefixserve` command line: generate (one prompt), serve (the OpenAI-compatible server) and cluster
-(several servers behind the SGLang Model Gateway: app/cluster.py)."""
+"""`prefixserve` command line: generate (one prompt), serve (the OpenAI-compatible server), cluster
+(several servers behind the SGLang Model Gateway: app/cluster.py) and collect-env (what a bug report needs)."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +35,16 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _collect_env(args: argparse.Namespace) -> int:
+    import json
+
+    from engine.collect_env import collect_env, format_report
+
+    facts = collect_env(args.model)
+    print(json.dumps(facts, indent=2) if args.json else format_report(facts))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixserve", description="Prefix-sharing LLM inference.")
     parser.add_argument("--log-level", default="INFO")
@@ -66,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds to let in-flight requests finish after SIGTERM before aborting them")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+
+    env = sub.add_parser("collect-env", help="print what a bug report needs: CPU, libraries, kernel choices, memory",
+                         description="CPU model and flags, what the OS grants, torch / oneDNN / transformers "
+                                     "versions and the ISA oneDNN runs, the C kernels' build, the kernels chosen "
+                                     "by measurement on this machine, memory. Paste it into bug reports.")
+    env.add_argument("--model", default=None,
+                     help="also load this model and report its kernel choices and memory (default: report the "
+                          "choices measured earlier on this machine without loading anything)")
+    env.add_argument("--json", action="store_true", help="print JSON instead of text")
+    env.set_defaults(func=_collect_env)
 
     cluster = sub.add_parser(
         "cluster", allow_abbrev=False, help="several `serve` replicas behind the SGLang Model Gateway (pip install 'prefixserve[cluster]')",

@@ -34,6 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
+from engine.speed_check import check_speed
 from engine.structured_output import StructuredOutputManager
 from kernels import get_ops
 from kernels.cpu.dispatch import Dispatcher
@@ -94,6 +95,9 @@ class Engine:
         if self.dispatch.choices:
             logger.info("kernels chosen by measurement here (cached in %s): %s", self.dispatch.cache_dir,
                         self.dispatch.summary())
+        # One decode step and one prefill chunk against this machine's floor (a WARNING where far off).
+        self.speed_report = check_speed(self.runner, self.dtype, self.weight_bytes, self.dispatch.cache_dir) \
+            if self.workers is None else None
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
         self.scheduler = Scheduler(

@@ -13,7 +13,7 @@ OURS = {"app", "integrations", "engine", "prefix_cache", "kernels"}
 # The engine modules app/ and integrations/ may use: its public API, not its internals.
 ENGINE_PUBLIC = {"engine", "engine.async_engine", "engine.config", "engine.errors", "engine.outputs",
                  "engine.sampling_params", "engine.structured_output", "engine.tool_calls", "engine.llm",
-                 "engine.openai_compat", "engine.frontend"}
+                 "engine.openai_compat", "engine.frontend", "engine.collect_env"}
 PREFIX_CACHE_TIERS = {"redis_store.py"}  # the Redis tier: the only prefix_cache module with redis/torch
 
 

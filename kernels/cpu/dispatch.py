@@ -23,7 +23,6 @@ import math
 import os
 import platform
 import re
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -132,7 +131,12 @@ class Dispatcher:
                 candidates, make_input, reference = setup()
                 choice = self._measure(op, key, {n: candidates[n] for n in names if n in candidates}, make_input,
                                        rows, reference, tol, mode)
-                self._store(choice, names)
+                if busy():
+                    logger.warning("%s %s measured while the CPUs were oversubscribed (load %.1f on %d): used "
+                                   "for this process only, measured again at the next start", op, key,
+                                   os.getloadavg()[0], os.cpu_count() or 1)
+                else:
+                    self._store(choice, names)
         self.choices[full_key] = choice
         return choice
 
@@ -185,8 +189,8 @@ class Dispatcher:
         return Choice(op, key, by_rows, times, rejected)
 
     def _time(self, candidates, names: list[str], x: torch.Tensor) -> dict[str, float]:
-        """Median ms of each candidate on x, their calls interleaved (a slow spell of this machine hits them
-        alike), after a warm-up call each."""
+        """Least ms of each candidate's calls on x, the calls interleaved (a slow spell of this machine hits
+        them alike), after a warm-up call each."""
         warm = {}
         for name in names:
             t0 = time.perf_counter()
@@ -206,7 +210,9 @@ class Dispatcher:
                 dt = time.perf_counter() - t0
                 samples[name].append(dt)
                 spent[name] += dt
-        return {n: statistics.median(s) * 1e3 for n, s in samples.items()}
+        # The least of the samples: being descheduled only ever adds time (medians under another process's
+        # load read as 8 ms a call for 8-microsecond kernels, time slices apart)
+        return {n: min(s) * 1e3 for n, s in samples.items()}
 
     # -- the cache ----------------------------------------------------------------------------------
     def _path(self, op: str, key: str, names) -> Path:
@@ -273,6 +279,15 @@ def _threshold(names: list[str], times: dict[str, dict[str, float]], rows) -> tu
     if t == 0:
         return ((EVERY, large),)
     return ((EVERY, small),) if t == max(rows) else ((t, small), (EVERY, large))
+
+
+def busy() -> bool:
+    """Other work oversubscribes the CPUs (1-minute load average above 1.5 per CPU): timings taken now are not
+    this machine's to keep."""
+    try:
+        return os.getloadavg()[0] > 1.5 * (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def _parse_overrides(text: str) -> dict[str, str]:

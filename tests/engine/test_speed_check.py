@@ -1,0 +1,70 @@
+"""The start-up speed self-check (engine/speed_check.py): a decode step and a prefill chunk of the loaded model
+against this machine's floor, a WARNING naming the op that dominates when far off."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import pytest
+
+from engine import LLM
+from engine.speed_check import check_speed
+
+
+def _llm(path, **kwargs):
+    return LLM(model=str(path), num_kv_blocks=64, max_num_seqs=4, **kwargs)
+
+
+def test_every_cpu_engine_checks_its_speed_at_start_up(tiny_model_factory, caplog):
+    with caplog.at_level(logging.INFO, logger="prefixserve"):
+        llm = _llm(tiny_model_factory("llama"))
+    report = llm.engine.speed_report
+    assert report is not None and report.decode_s > 0 and report.prefill_s > 0 and report.prefill_tokens > 1
+    assert report.decode_floor_s > 0 and report.prefill_floor_s > 0
+    assert "linear" in report.decode_ops and abs(sum(report.prefill_ops.values()) - 1) < 0.5
+    assert any("speed check:" in r.getMessage() for r in caplog.records)
+    assert llm.kv_cache_usage()["num_in_use"] == 0  # the check's KV writes belong to no request
+    llm.engine.check_integrity()
+
+
+def test_a_slow_op_is_named_in_a_warning(tiny_model_factory, caplog):
+    llm = _llm(tiny_model_factory("llama"))
+    runner = llm.engine.runner
+    fast = runner.model.ops
+
+    def slow_rope(*args, **kwargs):
+        time.sleep(0.01)
+        return fast.rope(*args, **kwargs)
+
+    runner.model.ops = dataclasses.replace(fast, rope=slow_rope)
+    with caplog.at_level(logging.WARNING, logger="prefixserve"):
+        report = check_speed(runner, llm.engine.dtype, llm.engine.weight_bytes, llm.engine.dispatch.cache_dir)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert report.decode_ops["rope"] > 0.5
+    assert warnings and "rope taking" in warnings[0] and "collect-env" in warnings[0]
+
+
+def test_the_check_can_be_switched_off(tiny_model_factory, monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_SPEED_CHECK", "0")
+    assert _llm(tiny_model_factory("llama")).engine.speed_report is None
+    monkeypatch.delenv("PREFIXSERVE_SPEED_CHECK")
+    assert _llm(tiny_model_factory("llama"), attention_backend="torch").engine.speed_report is not None
+
+
+@pytest.mark.parametrize("model", [None, "tiny"])
+def test_collect_env_reports_the_machine_and_its_kernel_choices(tiny_model_factory, model, capsys):
+    import json
+
+    from app.cli import main
+
+    argv = ["collect-env", "--json"] + (["--model", str(tiny_model_factory("llama"))] if model else [])
+    assert main(argv) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["cpu"]["model_name"] and isinstance(facts["cpu"]["os_grants_amx"], bool)
+    assert facts["torch"] and facts["onednn"] and facts["onednn_isa"]
+    assert facts["memory"]["available_gib"] > 0 and "build" in facts["c_kernels"]
+    assert isinstance(facts["kernel_choices"], list)
+    if model:
+        assert facts["model"]["weight_bytes"] > 0 and facts["model"]["kv_cache_bytes"] > 0
+        assert any(c.startswith("linear ") for c in facts["kernel_choices"])
