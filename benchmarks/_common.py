@@ -1,4 +1,4 @@
-"""Shared helpers for benchmarks: results folder, JSON + PNG writing, environment facts."""
+"""Shared helpers for benchmarks: the results folder of this machine, JSON + PNG writing, environment facts."""
 from __future__ import annotations
 
 import json
@@ -37,9 +37,43 @@ def cpu_model() -> str:
     return f"{name} ({', '.join(features)})"
 
 
+# AMD families by model ranges (/proc/cpuinfo "cpu family" / "model"), the names machines are known by.
+_AMD = {25: ((range(0x00, 0x10), "zen3"), (range(0x20, 0x30), "zen3"), (range(0x40, 0x60), "zen3"),
+             (range(0x10, 0x20), "zen4"), (range(0x60, 0x80), "zen4"), (range(0xA0, 0xB0), "zen4")),
+        26: ((range(0x00, 0x100), "zen5"),)}
+
+
+def machine_id(cpuinfo: str | None = None) -> str:
+    """The results folder of this machine: vendor, core family (or family/model numbers) and the ISA level
+    the kernels choose by, e.g. "amd-zen5-avx512bf16", "intel-f6m207-amx", "amd-zen3-avx2"; "h200" and the
+    like for a GPU run (benchmarks/gpu)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.machine() or "unknown"
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(fields.get("vendor_id", ""), "cpu")
+    family, model = int(fields.get("cpu family", "0") or 0), int(fields.get("model", "0") or 0)
+    core = next((name for rng, name in _AMD.get(family, ()) if model in rng), None) if vendor == "amd" else None
+    flags = set(fields.get("flags", "").split())
+    isa = ("amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else
+           "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "x86")
+    return f"{vendor}-{core or f'f{family}m{model}'}-{isa}"
+
+
+def results_dir() -> Path:
+    """benchmarks/results/<machine_id()>/: one current file per benchmark per machine."""
+    path = RESULTS / machine_id()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = results_dir() / f"{name}.json"
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=2) + "\n")
     return path
 
@@ -68,8 +102,7 @@ def save_figure(fig, name: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.png"
+    path = results_dir() / f"{name}.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

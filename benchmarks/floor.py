@@ -204,17 +204,19 @@ def floors(shape: ModelShape, machine: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--name", default="floor")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a model, or a shape of benchmarks/shapes.py")
+    ap.add_argument("--name", default=None, help="results file (default: floor, or floor_<shape>)")
     ap.add_argument("--recompute", action="store_true",
                     help="recompute the floors of results/<name>.json from the machine figures it holds, measure nothing")
     args = ap.parse_args()
-    from engine.models.resolve import resolve_model
+    from benchmarks._common import results_dir
+    from benchmarks.shapes import SHAPES, model_path
 
+    args.name = args.name or ("floor_" + args.model if args.model in SHAPES else "floor")
     torch.manual_seed(0)
-    shape = ModelShape.from_config(Path(resolve_model(args.model)))
+    shape = ModelShape.from_config(model_path(args.model))
     if args.recompute:
-        machine = json.loads((Path(__file__).parent / "results" / f"{args.name}.json").read_text())["machine"]
+        machine = json.loads((results_dir() / f"{args.name}.json").read_text())["machine"]
     else:
         machine = measure(shape)
     result = floors(shape, machine)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import RESULTS, bar_plot, write_json  # noqa: E402
+from benchmarks._common import bar_plot, results_dir, write_json  # noqa: E402
 from benchmarks._peer_jobs import greedy_agreement, make_jobs, run_ours, run_vllm  # noqa: E402
 
 TARGETS = {"gsp": 2.0, "unique_prompts": 1.2, "n8": 2.0, "beam4": 4.0, "cached_ttft": 1.5, "single_stream_decode": 1.5}
@@ -32,10 +32,10 @@ GREEDY = ("gsp", "unique_prompts", "single_stream_decode")
 
 def floors(model_path: str, floor_name: str = "floor") -> dict:
     """Each workload's floor from the last benchmarks/floor.py run on this machine (same CPU model),
-    results/<floor_name>.json."""
+    results/<machine>/<floor_name>.json."""
     from benchmarks.floor import WORKLOADS, ModelShape, workload_floor
 
-    path = RESULTS / f"{floor_name}.json"
+    path = results_dir() / f"{floor_name}.json"
     if not path.exists():
         return {}
     machine = json.loads(path.read_text())["machine"]
@@ -63,42 +63,48 @@ def compare(ours: dict, vllm: dict | None, floor: dict) -> dict:
 
 
 def refloor(name: str, model: str, floor_name: str = "floor") -> None:
-    from engine.models.resolve import resolve_model
+    from benchmarks.shapes import model_path
 
-    path = RESULTS / f"{name}.json"
+    path = results_dir() / f"{name}.json"
     data = json.loads(path.read_text())
-    floor = floors(str(resolve_model(model)), floor_name)
+    floor = floors(str(model_path(model)), floor_name)
     for dtype, result in data["results"].items():
         for job, row in result["rows"].items():
             row["floor_s"] = floor[dtype][job]
             for side in ("prefixserve", "vllm"):
                 if f"{side}_s" in row:
                     row[f"{side}_x_floor"] = row[f"{side}_s"] / row["floor_s"]
-    data["floor_from"] = json.loads((RESULTS / f"{floor_name}.json").read_text())["environment"]["date"]
+    data["floor_from"] = json.loads((results_dir() / f"{floor_name}.json").read_text())["environment"]["date"]
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"{name}: floors recomputed from {floor_name}.json of {data['floor_from']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a model prefixserve resolves, or a shape of benchmarks/shapes.py (qwen3-0.6b, llama-3.2-1b, "
+                         "llama-3.1-8b: random weights written on first use)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--beam-repeats", type=int, default=3)
     ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--name", default="versus_vllm")
-    ap.add_argument("--floor", default="floor", help="results/<FLOOR>.json from benchmarks/floor.py on this CPU")
+    ap.add_argument("--name", default=None, help="results file (default: versus_vllm, or versus_vllm_<shape>)")
+    ap.add_argument("--floor", default=None, help="results/<machine>/<FLOOR>.json from benchmarks/floor.py on this "
+                                                  "CPU (default: floor, or floor_<shape>)")
     ap.add_argument("--refloor", action="store_true",
                     help="recompute the floor columns of results/<name>.json from the current floor.json, run nothing")
     args = ap.parse_args()
+    from benchmarks.shapes import SHAPES, model_path
+
+    suffix = f"_{args.model}" if args.model in SHAPES else ""
+    args.name = args.name or f"versus_vllm{suffix}"
+    args.floor = args.floor or f"floor{suffix}"
     if args.refloor:
         return refloor(args.name, args.model, args.floor)
 
     from transformers import AutoConfig
 
-    from engine.models.resolve import resolve_model
-
-    path = str(resolve_model(args.model))
+    path = str(model_path(args.model))
     jobs = make_jobs(AutoConfig.from_pretrained(path).vocab_size, beam_repeats=args.beam_repeats,
                      workloads=tuple(args.workloads) if args.workloads else None)
     floor = floors(path, args.floor)

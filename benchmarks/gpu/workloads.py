@@ -10,24 +10,16 @@ num_beams), its best use without a serving engine; it has no prefix cache, so ca
 prefill for it."""
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
 VOCAB = 128256  # Llama 3's
-SHAPES = {
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-}
-DRY_RUN_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+SHAPES = {"llama-1b": "llama-3.2-1b", "llama-8b": "llama-3.1-8b"}  # benchmarks/shapes.py
+DRY_RUN_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
 DRY_RUN_VOCAB = 512
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 MAX_MODEL_LEN = 4096
 DECODE_BATCH, DECODE_PROMPT, DECODE_STEPS = 64, 128, 48
 
@@ -43,7 +35,7 @@ def workloads_step(ctx, result: dict, shape_name: str) -> dict:
     clock = Clock()
     vocab = DRY_RUN_VOCAB if dry else VOCAB
     folder = ctx.work / shape_name
-    hf = write_random_llama(folder, DRY_RUN_SHAPE if dry else SHAPES[shape_name], vocab, ctx.device)
+    hf = write_random_llama(folder, DRY_RUN_SHAPE if dry else SHAPES[shape_name], ctx.device)
     result["model"] = {"shape": shape_name, "written_s": clock.lap("model written"),
                        "params": sum(p.numel() for p in hf.parameters())}
     jobs = make_jobs(vocab, repeats=2, beam_repeats=2)
@@ -98,18 +90,23 @@ def shrink(job: dict) -> dict:
 
 
 # -- the model ------------------------------------------------------------------------------------
-def write_random_llama(folder: Path, shape: dict, vocab: int, device: str):
-    """A random bf16 Llama of ``shape`` built on ``device`` (HF's own init), saved with a word-level
-    tokenizer of ``vocab`` tokens into ``folder``; returns the HF model, still on the device. The weights go
-    out through safetensors directly (transformers' save_pretrained took 28 s for the 8B on an H200)."""
+def write_random_llama(folder: Path, shape: str | dict, device: str):
+    """A random bf16 Llama (``shape``: a benchmarks/shapes.py name, or config fields) built on ``device`` (HF's
+    own init), saved with a word-level tokenizer of its vocabulary into ``folder``; returns the HF model,
+    still on the device. The weights go out through safetensors directly (transformers' save_pretrained took
+    28 s for the 8B on an H200)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                         rope_parameters=dict(LLAMA3_ROPE), bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         initializer_range=0.02, **shape)
-    config.architectures = ["LlamaForCausalLM"]
+    from benchmarks.shapes import LLAMA3_ROPE, config_of, write_word_tokenizer
+
+    if isinstance(shape, str):
+        config = config_of(shape)
+    else:
+        config = LlamaConfig(max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=dict(LLAMA3_ROPE),
+                             bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.02, **shape)
+        config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -119,22 +116,8 @@ def write_random_llama(folder: Path, shape: dict, vocab: int, device: str):
     state = {name: t.detach().cpu() for name, t in model.state_dict().items()
              if not (config.tie_word_embeddings and name == "lm_head.weight")}  # tied: the embedding serves
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    write_word_tokenizer(folder, vocab)
+    write_word_tokenizer(folder, config.vocab_size, MAX_MODEL_LEN)
     return model
-
-
-def write_word_tokenizer(folder: Path, vocab: int) -> None:
-    """A word-level tokenizer with ``vocab`` tokens ("<unk>", "<s>", "</s>", then t3, t4, ...): the
-    engine detokenizes every id the random model can emit, at Llama 3's vocabulary size."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab)}}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "pad_token": "<unk>", "model_max_length": MAX_MODEL_LEN}))
 
 
 def start_engine(folder: Path, device: str, dry: bool):
