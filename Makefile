@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch when no GPU is present (an unpinned torch pulls a multi-GB CUDA build).
 TORCH  ?= torch==2.13.0
 
-.PHONY: install serve generate test bench clean
+.PHONY: install serve generate test bench docs clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,5 +32,8 @@ test: install
 bench: install
 	$(PY) benchmarks/offline_throughput.py
 
+docs: install
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

@@ -99,7 +99,10 @@ def error_response(error: OpenAIError) -> Response:
 def handle_exception(request: Request, exc: Exception) -> Response:
     """The app-wide exception handler (registered for Exception: covers HTTPException too)."""
     error = from_exception(exc)
-    if error.status_code >= 500:
+    if error.status_code == 503 and isinstance(exc, OpenAIError):
+        # Not ready (loading, draining): what every orchestrator polls /health for, not an error to log
+        logger.debug("%s %s: %s", request.method, request.url.path, error.message)
+    elif error.status_code >= 500:
         logger.error("%s %s failed: %s", request.method, request.url.path, error.message,
                      exc_info=not isinstance(exc, (HTTPException, EngineDeadError)))
     return error_response(error)
