@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from .cpu import int4_linear
+from .cpu.hugepages import on_huge_pages
 from .cpu.native import cpu_has_int8_dot
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -81,7 +82,7 @@ def int4_from_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g
 def _pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> QuantizedWeight:
     n, k = q.shape
     packed, dm = int4_linear.pack_int4(q, scale, zero - 8 * scale.float())
-    return QuantizedWeight("int4_vnni", packed, dm, n, k, group_size)
+    return QuantizedWeight("int4_vnni", on_huge_pages(packed), dm, n, k, group_size)  # streamed: 2 MiB pages
 
 
 def _pack_int4_torch(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> QuantizedWeight:
@@ -108,7 +109,7 @@ def int8_from_channels(q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
     n, k = q.shape
     if q.dtype != torch.int8 or scale.shape != (n,):
         raise ValueError(f"int8: q {tuple(q.shape)} {q.dtype}, scale {tuple(scale.shape)}")
-    return QuantizedWeight("int8", q.contiguous(), scale.to(COMPUTE_DTYPE).contiguous(), n, k,
+    return QuantizedWeight("int8", on_huge_pages(q.contiguous()), scale.to(COMPUTE_DTYPE).contiguous(), n, k,
                            exact_scales=scale.float().contiguous())
 
 

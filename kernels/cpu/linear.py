@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .hugepages import on_huge_pages
 from .native import DTYPE_SUFFIX, NativeKernels, cpu_has_amx, cpu_has_avx512, native_kernels
 # bfloat16 rows the C kernel takes: above 8 it makes a second pass over each weight row, and
 # oneDNN's AMX path wins (SmolLM2's 30 layers: 13/16/33 ms per step at 4/8/16 rows vs F.linear's
@@ -63,9 +64,11 @@ def pack_lanes(weight: torch.Tensor) -> torch.Tensor:
     w = weight.detach()
     if weight.dtype == torch.bfloat16:
         w = F.pad(w, (0, k % 2, 0, -n % LANES))  # [Np, Kp]
-        return w.view(-1, LANES, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()  # [Np/32, Kp/2, 32, 2]
-    w = F.pad(w, (0, 0, 0, -n % LANES))  # [Np, K]
-    return w.view(-1, LANES, k).permute(0, 2, 1).contiguous()  # [Np/32, K, 32]
+        lanes = w.view(-1, LANES, w.shape[1] // 2, 2).permute(0, 2, 1, 3)  # [Np/32, Kp/2, 32, 2]
+    else:
+        w = F.pad(w, (0, 0, 0, -n % LANES))  # [Np, K]
+        lanes = w.view(-1, LANES, k).permute(0, 2, 1)  # [Np/32, K, 32]
+    return on_huge_pages(lanes.contiguous())  # streamed every step: 2 MiB pages (hugepages.py)
 
 
 def pack_lanes_gated(weight: torch.Tensor) -> torch.Tensor:
