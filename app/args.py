@@ -9,17 +9,59 @@ from engine.config import EngineConfig
 
 ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short forms
 
+# Every EngineConfig field's flag: (group, what it does, with its unit), grouped as vLLM groups its engine
+# arguments. tests/server/test_cli_help.py checks that every field has one.
+HELP = {
+    "model": ("model", "a builtin model name, a Hugging Face folder, or a .gguf file (nothing is downloaded)"),
+    "dtype": ("model", "float32, bfloat16 (faster where the CPU has AVX512-BF16 or AMX, and on GPUs) or float16"),
+    "device": ("model", "auto (cuda where a GPU is present), cpu, cuda or cuda:N"),
+    "quantization": ("model", "auto: a quantized GGUF runs quantized; none: dequantize it; gguf: insist on "
+                              "quantized weights"),
+    "max_model_len": ("model", "tokens of prompt + output a request may hold (default: the model's context)"),
+    "seed": ("model", "the engine's sampling seed (requests can carry their own)"),
+    "attention_backend": ("model", "auto (Triton on CUDA, the C kernels on CPU), triton, cpu, or torch "
+                                   "(the references)"),
+    "enforce_eager": ("model", "CUDA: run every decode step eagerly instead of replaying CUDA graphs"),
+    "tensor_parallel_size": ("parallel", "processes (ranks) the model's heads, MLP and vocabulary are split across"),
+    "block_size": ("cache", "tokens per KV block (a power of two, 1-128)"),
+    "num_kv_blocks": ("cache", "KV blocks in the pool (overrides the memory budgets)"),
+    "kv_cache_memory": ("cache", "bytes for the KV pool (default on CPU: 1/8 of available memory, capped at what "
+                                 "max-num-seqs x max-model-len tokens use)"),
+    "gpu_memory_utilization": ("cache", "CUDA: fraction (0-1] of GPU memory the weights and KV pool may take"),
+    "enable_prefix_caching": ("cache", "reuse the KV of any prefix computed before (on by default)"),
+    "host_kv_cache_memory": ("cache", "bytes of host memory for KV blocks evicted or swapped out (0: off)"),
+    "kv_redis_url": ("cache", "redis:// URL of a KV tier shared by replicas (off by default)"),
+    "kv_redis_ttl": ("cache", "seconds KV blocks live in Redis (default: kept)"),
+    "kv_redis_timeout": ("cache", "seconds a Redis call may take before it counts as a miss"),
+    "kv_redis_key_prefix": ("cache", "prefix of this deployment's Redis keys"),
+    "kv_tier_policy": ("cache", "auto: load a slower tier's hit only where that beats recomputing it (measured); "
+                                "always: load every hit"),
+    "kv_events_config": ("cache", "JSON of vLLM's KV events config (publish block stored / removed events over "
+                                  "ZMQ for KV-aware routers)"),
+    "max_num_seqs": ("scheduler", "sequences in one step at most"),
+    "max_num_batched_tokens": ("scheduler", "tokens in one step at most (prefill chunks beside decodes)"),
+    "scheduling_policy": ("scheduler", "fcfs, or priority (a request's priority field; lower runs first)"),
+    "preemption_mode": ("scheduler", "when the pool runs dry: recompute (release the newest sequence's blocks) or "
+                                     "swap (to host memory; needs --host-kv-cache-memory)"),
+}
+GROUPS = {"model": "model", "parallel": "parallel", "cache": "KV cache", "scheduler": "scheduler"}
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as a flag named like the LLM argument (--max-num-seqs ...)."""
+    """Every EngineConfig field as a flag named like the LLM argument (--max-num-seqs ...), in vLLM's groups."""
+    groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
     for f in dataclasses.fields(EngineConfig):
+        group, text = HELP[f.name]
+        target = groups[group]
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            target.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{text} (default: {'on' if f.default else 'off'})")
             continue
         kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
         flags = [flag, *ALIASES.get(f.name, ())]
-        parser.add_argument(*flags, dest=f.name, type=kind, default=None, help=f"(default: {f.default})")
+        default = "" if "default" in text else f" (default: {f.default})"
+        target.add_argument(*flags, dest=f.name, type=kind, default=None, help=text + default)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

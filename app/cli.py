@@ -47,33 +47,37 @@ def _collect_env(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixserve", description="Prefix-sharing LLM inference.")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template (a user message)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1] (default: 1)")
+    gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed (default: none)")
     add_engine_args(gen)
     gen.set_defaults(func=_generate, model=DEFAULT_MODEL)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--served-model-name", nargs="+", default=None)
-    serve.add_argument("--max-waiting-requests", type=int, default=256)
-    serve.add_argument("--metrics-namespace", default="prefixserve",
-                       help="prefix of every /metrics name; 'vllm' publishes vLLM's names (vllm:num_requests_running "
-                       "...) so dashboards and gateways built for vLLM read them unchanged")
-    serve.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
-                       help="/v1/responses results kept in this process's memory for previous_response_id and "
-                            "GET /v1/responses/{id} (LRU; 0 stores none)")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="seconds to let in-flight requests finish after SIGTERM before aborting them")
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    server.add_argument("--api-key", default=None,
+                        help="require this bearer token (Authorization: Bearer KEY) on the API (default: none)")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the model names clients send (default: the --model value)")
+    server.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="requests queued beyond the running ones before new ones get 429 (default: 256)")
+    server.add_argument("--metrics-namespace", default="prefixserve",
+                        help="prefix of every /metrics name; 'vllm' publishes vLLM's names (vllm:num_requests_running "
+                        "...) so dashboards and gateways built for vLLM read them unchanged (default: prefixserve)")
+    server.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                        help="/v1/responses results kept in this process's memory for previous_response_id and "
+                             f"GET /v1/responses/{{id}} (LRU; 0 stores none; default: {DEFAULT_MAX_STORED_RESPONSES})")
+    server.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds to let in-flight requests finish after SIGTERM before aborting them (default: 30)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -15,6 +15,8 @@ def environment() -> dict:
 
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": _commit(),
+        "machine": machine_id(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -22,6 +24,21 @@ def environment() -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "cpu": cpu_model(),
     }
+
+
+def _commit() -> str:
+    """The commit the benchmark ran at (with "+changes" where the tree differed from it)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return head + ("+changes" if dirty else "") if head else "unknown"
 
 
 def cpu_model() -> str:

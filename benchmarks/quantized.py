@@ -12,7 +12,7 @@ against llama.cpp's server on the same GGUF (the anchor; benchmarks/peers/instal
 
     PYTHONPATH=. .venv/bin/python benchmarks/quantized.py
 
-Run on a quiet machine. Prints one summary line; writes results/quantized.json + .png.
+Run on a quiet machine. Prints one summary line; writes results/<machine>/quantized.json + .png.
 """
 from __future__ import annotations
 

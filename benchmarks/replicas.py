@@ -16,7 +16,7 @@ and how streams in flight ended (completed, an error event, or a hang: no end wi
 
     PYTHONPATH=. .venv/bin/python benchmarks/replicas.py [--groups 4 --per-group 8 --rate 1.0]
 
-Run it on a quiet machine (it starts several servers on 2 cores). Writes results/replicas.json + .png.
+Run it on a quiet machine (it starts several servers on 2 cores). Writes results/<machine>/replicas.json + .png.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks._common import RESULTS, bar_plot, write_json
+from benchmarks._common import bar_plot, results_dir, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
@@ -256,7 +256,7 @@ def main() -> None:
     from engine.models.resolve import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL)))
-    logs = RESULTS / "replicas_logs"
+    logs = results_dir() / "replicas_logs"
     logs.mkdir(parents=True, exist_ok=True)
     out: dict = {"config": vars(args), "setups": {}}
     for setup in args.setups:

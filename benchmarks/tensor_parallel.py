@@ -4,7 +4,7 @@ per rank). TP is for models that do not fit one device; on 2 CPU cores it can on
 
     PYTHONPATH=. .venv/bin/python benchmarks/tensor_parallel.py
 
-Prints one summary line; writes results/tensor_parallel.json + .png.
+Prints one summary line; writes results/<machine>/tensor_parallel.json + .png.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Eagerly, a decode step issues every kernel from Python: ~570 launches for a 16-layer model and ~1,100 for
 a 32-layer one, 17 and 32 ms a step at batch 64 on an H200 while the GPU computed for ~2 and ~7 ms
-(benchmarks/results/h200/check.json, the first run). Replaying a graph issues them all at once.
+(the first H200 run of benchmarks/gpu/check.sh; benchmarks/results/h200/check.json is the second, with the
+graphs). Replaying a graph issues them all at once.
 
 As vLLM does: graphs are captured at start-up for batch sizes 1, 2, 4 and multiples of 8 up to
 ``max_num_seqs``; a decode-only step of B sequences replays the smallest graph of at least B rows.

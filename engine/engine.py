@@ -48,6 +48,7 @@ __all__ = ["Engine", "PromptInput"]
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
         self.config = config
         self.device = _resolve_device(config.device)
         self.dtype = getattr(torch, config.dtype)
@@ -63,9 +64,11 @@ class Engine:
         tp = init_tp(config, self.workers, self.device)
         # Kernels with several implementations here are chosen by measuring them (kernels/cpu/dispatch.py).
         self.dispatch = Dispatcher()
+        t0 = time.perf_counter()
         model = load_model(folder, self.model_config, self.dtype, self.device, tp=tp,
                            quantization=effective_quantization(config.quantization, config.model),
                            dispatch=self.dispatch)
+        stages = {"model resolved": t0 - started, "weights loaded": time.perf_counter() - t0}
         self.quantization = model.quantization
         shard_config = local_config(self.model_config, tp)  # this rank's heads and KV heads
         num_blocks = self._num_kv_blocks()
@@ -96,8 +99,12 @@ class Engine:
             logger.info("kernels chosen by measurement here (cached in %s): %s", self.dispatch.cache_dir,
                         self.dispatch.summary())
         # One decode step and one prefill chunk against this machine's floor (a WARNING where far off).
+        t0 = time.perf_counter()
         self.speed_report = check_speed(self.runner, self.dtype, self.weight_bytes, self.dispatch.cache_dir) \
             if self.workers is None else None
+        stages.update(self.runner.stage_seconds, **{"speed check": time.perf_counter() - t0})
+        logger.info("start-up in %.1f s: %s", time.perf_counter() - started,
+                    ", ".join(f"{name} {s:.1f} s" for name, s in stages.items() if s >= 0.05))
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
         self.scheduler = Scheduler(

@@ -86,15 +86,22 @@ class ModelRunner:
         self.structured = structured  # grammar masks of structured-output sequences (owned by the engine)
         self.block_size, self.device, self.dtype = block_size, device, dtype
         cfg = model_config
+        t0 = time.perf_counter()
         self.kv_cache = zeroed_pool(  # [L, 2, NB, BS, Hkv, D]
             (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype, device
         )
+        self.stage_seconds = {"kv pool": time.perf_counter() - t0}  # start-up stages (the engine logs them)
         self.kv_mover = KVMover(self.kv_cache, num_host_kv_slots, kv_heads, total_kv_heads)  # tier transfers
         self.scale = cfg.attention_scale
+        t0 = time.perf_counter()
         model.bind_ops(ops)  # the backend's ops, bound once: the one forward calls only these
+        self.stage_seconds["weights packed (kernels chosen)"] = time.perf_counter() - t0
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
+        t0 = time.perf_counter()
         self.graphs = self._capture_graphs(cuda_graph_sizes, max_blocks_per_seq) if cuda_graph_sizes else None
+        if self.graphs is not None:
+            self.stage_seconds["CUDA graphs"] = time.perf_counter() - t0
 
     def _capture_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> DecodeGraphs | None:
         try:

@@ -10,8 +10,8 @@ No part needs a mask (the cached ones are visible to every query, the new one is
 the G query heads of a KV head become G times the rows against K/V that are not broadcast, and a
 group's questions over one system prompt share one larger product. Measured (2-core Intel Xeon with
 AMX, bfloat16, SmolLM2 on the GSP workload, `benchmarks/profile_gsp.py`): prefill attention 1.35 s
-(results/profile_gsp_amx_session27.json) where one masked SDPA per sequence took 1.94 s
-(results/profile_gsp_amx.json).
+(results/intel-xeon-amx/profile_gsp.json) where one masked SDPA per sequence took 1.94 s
+(an earlier run of it, in git history).
 """
 from __future__ import annotations
 

@@ -134,11 +134,11 @@ def c_kernel_rows(dtype: torch.dtype) -> int:
     CPU: 0 for none, EVERY_ROW for every row count.
 
     Measured on SmolLM2's 30 layers of linears, weights streamed from memory (benchmarks/packed_linear.py):
-    - AVX-512 (the lanes kernel), 2-core AMD EPYC Zen 4, lanes / packed oneDNN (results/packed_linear_zen4.json):
+    - AVX-512 (the lanes kernel), 2-core AMD EPYC Zen 4, lanes / packed oneDNN (results/amd-zen4-avx512bf16/packed_linear.json):
       bfloat16 1 row 6.0 / 10.6 ms, 8 rows 6.8 / 12.2, 64 rows 34.9 / 44.2, 1,088 rows 532 / 564; float32
       1 row 13.7 / 20.1, 8 rows 11.4 / 18.8, 64 rows 66 / 79, 1,088 rows 1,113 / 1,094 (a tie): every row
       count.
-    - AVX-512 with AMX, 2-core Intel Xeon (results/packed_linear_amx.json): oneDNN's bfloat16 tiles
+    - AVX-512 with AMX, 2-core Intel Xeon (results/intel-f6m207-amx/packed_linear.json): oneDNN's bfloat16 tiles
       multiply far faster than vdpbf16ps once a step is more than the weight read: lanes / oneDNN 1 row
       10.1 / 11.0 ms, 4 rows 15.5 / 10.8, 8 rows 20.4 / 11.0, 64 rows 93 / 17.5 (taking 1-64 rows there
       had made GSP's bfloat16 decode linears 2.8 s instead of 0.7): 1 row. float32 ties to 64 rows (1 row

@@ -16,7 +16,7 @@ its unquantized linears through oneDNN.
 Prepacked weights (``pack_weight``): oneDNN reorders a plain weight into its blocked layout on every
 call; packing each weight once, at bind, skips that. Measured on this project's machine (AMD EPYC,
 2 cores, AVX-512 + AVX512-BF16, memory ~26 GB/s), SmolLM2's 30 layers of linears per step with the
-weights streamed from memory (benchmarks/packed_linear.py, results/packed_linear.json), plain policy
+weights streamed from memory (benchmarks/packed_linear.py, results/amd-avx512bf16/packed_linear.json), plain policy
 -> packed: float32 1.31x at 1 row, 1.08x at 4, 1.32x at 16, 1.36x at 64, 1.18x at 1,088; bfloat16
 1.44x at 16 rows and 1.23x at 64, within noise at 1-4 rows and 1,088. In the engine, single-stream
 bfloat16 decode (256 tokens) took 6.0-6.5 s packed against 8.5-11.1 s plain (A/B, two rounds). So the

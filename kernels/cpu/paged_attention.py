@@ -19,7 +19,7 @@ share enough keys (csrc/paged_attention_decode.c: 16 rows, 64 keys, AVX-512 or A
 prefill kernel's flash items and each sequence goes on from their softmax state; otherwise each
 sequence reads the shared blocks itself, from cache. Measured per layer on a 2-core AMD EPYC Zen 5
 (4 x 16 sequences over 1,024 shared tokens, bfloat16): 1.33-1.54 -> 0.55-0.92 ms (the shared cases of
-benchmarks/cpu_kernels.py, results/cpu_kernels_zen5.json); GSP's bfloat16
+benchmarks/cpu_kernels.py, results/amd-zen5-avx512bf16/cpu_kernels.json); GSP's bfloat16
 decode attention 1.35 -> 0.79 s (`benchmarks/profile_gsp.py`); in float32, 4 x 16 1.52-1.63 -> 1.00-1.07 ms
 and 8 samples 0.18 -> 0.14 ms. The C kernels take their scratch
 memory from the caller (kernels/cpu/scratch.py); the bound op set keeps one.
@@ -134,7 +134,7 @@ def paged_attention_prefill_cpu(
     products run on bfloat16 pairs (vdpbf16ps) with the probabilities rounded to bfloat16 before P.V:
     measured 1.2-1.9x faster than widening to float32 (benchmarks/cpu_kernels.py --cases prefill on a
     2-core AMD EPYC Zen 5: 5x410 tokens 5.0 -> 4.0 ms, 1x2048 15.6 -> 8.6, a 512 chunk after 1,536
-    cached 6.6 -> 3.5, after-side in results/cpu_kernels_zen5.json; GSP's prefill attention 3.4 -> 0.9 s), within 2^-9 of the largest |V| of the
+    cached 6.6 -> 3.5, after-side in results/amd-zen5-avx512bf16/cpu_kernels.json; GSP's prefill attention 3.4 -> 0.9 s), within 2^-9 of the largest |V| of the
     float32 math. Sums run in another order than
     SDPA's: float32 results agree to float32 rounding. With AMX, bfloat16 runs both products on AMX tiles
     (csrc/flash_amx.h; vdpbf16ps issues every second cycle on the 2-core Xeon measured): per layer
