@@ -26,8 +26,9 @@ serve: install
 generate: install
 	$(VENV)/bin/prefixserve generate "What is the capital of France?" --chat --max-tokens 32
 
+# On every core (pytest-xdist; 4 workers at most: each loads its own models and KV pool).
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses=4
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py

@@ -34,7 +34,7 @@ def test_a_slow_op_is_named_in_a_warning(tiny_model_factory, caplog):
     fast = runner.model.ops
 
     def slow_rope(*args, **kwargs):
-        time.sleep(0.01)
+        time.sleep(0.05)  # far above anything else of a tiny model's step, even on a busy machine
         return fast.rope(*args, **kwargs)
 
     runner.model.ops = dataclasses.replace(fast, rope=slow_rope)

@@ -1,5 +1,5 @@
-"""The README's LangChain example: its code is the example script's, and the script runs (on the
-session engine, so the model is not loaded again) with the cache hits it promises."""
+"""The LangChain page's example (docs/langchain.md): its code is the example script's, and the script runs (on
+the session engine, so the model is not loaded again) with the cache hits it promises."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,16 +21,14 @@ def _load_example():
     return module
 
 
-def test_readme_code_is_the_example_script():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## LangChain\n"):]
-    section = section[:section.index("\n## ", 1)]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def test_the_docs_code_is_the_example_script():
+    page = (REPO / "docs" / "langchain.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
     script_lines = [line.strip() for line in SCRIPT.read_text().splitlines()]
     for line in code.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
-            assert any(line in s for s in script_lines), f"README line not in {SCRIPT.name}: {line}"
+            assert any(line in s for s in script_lines), f"docs/langchain.md line not in {SCRIPT.name}: {line}"
 
 
 @pytest.mark.real_model
