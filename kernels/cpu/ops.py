@@ -243,14 +243,17 @@ class _BoundCpuOps:
             weight = weight.packed
         return self.silu_mul(self.linear(x, weight, bias))
 
-    # x, residual: [T, H] contiguous. Writes the new residual into `residual` (layer 0: it is x).
+    # x, residual: [T, H], each row contiguous, rows at any stride (Qwen3's and Gemma's per-head k norm with one
+    # KV head reads a view of the qkv projection). Writes the new residual into `residual` (layer 0: it is x).
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, h = x.shape
         out = torch.empty((rows, h), dtype=self.dtype)  # [T, H]
         new_residual = x if residual is None else residual
         self.norm_fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                     new_residual.data_ptr(), out.data_ptr(), rows, h, h, h, h, h, eps, torch.get_num_threads())
+                     new_residual.data_ptr(), out.data_ptr(), rows, h, x.stride(0),
+                     0 if residual is None else residual.stride(0), new_residual.stride(0), h, eps,
+                     torch.get_num_threads())
         return out, new_residual
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] contiguous -> [T, I]

@@ -33,6 +33,19 @@ def test_tiny_models_match_hf(arch, block_size, tiny_model_factory, hf_model_loa
     llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_per_head_norms_with_one_kv_head_match_hf(arch, tiny_model_factory, hf_model_loader):
+    """Per-head q/k norms over a single KV head read the k rows as a strided view of the qkv projection (no
+    copy), as Gemma 3 270M's do; the bound CPU norm once took its rows as contiguous and answered garbage."""
+    path = tiny_model_factory(arch, num_kv_heads=1)
+    llm = LLM(model=str(path), num_kv_blocks=128, max_num_batched_tokens=64, max_num_seqs=4)
+    prompts = _mixed_prompts(llm.engine.model_config.vocab_size, [9, 40, 3, 70], seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, hf_greedy(hf_model_loader(path), prompts, 10))):
+        assert_greedy_match(out.outputs[0].token_ids, ref, f"{arch} with one KV head, prompt {i}")
+
+
 @pytest.mark.real_model
 def test_smollm2_matches_hf(smollm2_path, hf_model_loader):
     llm = LLM(model=str(smollm2_path), num_kv_blocks=512, max_num_batched_tokens=128, max_num_seqs=8)
