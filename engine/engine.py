@@ -24,7 +24,7 @@ from engine.kv_tiers import build_kv_tiers, tier_stats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.config import ModelConfig, load_model_config
 from engine.models.loader import load_model
-from engine.models.packed_weights import resident_bytes
+from engine.models.packed_weights import resident_bytes_by_layout
 from engine.models.parallel import SINGLE, TPGroup
 from engine.models.sharding import local_config
 from engine.models.resolve import model_fingerprint, names_gguf, resolve_model
@@ -94,7 +94,9 @@ class Engine:
             total_kv_heads=self.model_config.num_kv_heads, cuda_graph_sizes=self._cuda_graph_sizes(ops),
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
-        self.weight_bytes = resident_bytes(model)  # once bound: each weight in the form its kernels read, once
+        # Once bound: each weight in the form its kernels read, once
+        self.weight_bytes_by_layout = resident_bytes_by_layout(model)
+        self.weight_bytes = sum(self.weight_bytes_by_layout.values())
         if self.dispatch.choices:
             logger.info("kernels chosen by measurement here (cached in %s): %s", self.dispatch.cache_dir,
                         self.dispatch.summary())

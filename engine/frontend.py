@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
@@ -38,6 +38,7 @@ class ModelInfo:
     kv_cache_bytes: int  # the KV pool's resident size (engine/kv_budget.py sizes it by default on CPU)
     max_num_seqs: int
     weight_bytes: int = 0  # the model's weights as held in memory (quantized tables at their packed size)
+    weight_bytes_by_layout: dict = field(default_factory=dict)  # "int4", "int8", "float32", ... -> bytes
     quantization: str = "none"  # "gguf" / "compressed-tensors" / "gptq" / "awq": linears kept int4 / int8
 
     @property
@@ -55,7 +56,8 @@ def model_info_of(engine: Engine) -> ModelInfo:
         block_size=engine.config.block_size, num_kv_blocks=engine.blocks.num_blocks,
         kv_cache_bytes=engine.runner.kv_cache.nbytes,
         max_num_seqs=engine.config.max_num_seqs,
-        weight_bytes=engine.weight_bytes, quantization=engine.quantization,
+        weight_bytes=engine.weight_bytes, weight_bytes_by_layout=dict(engine.weight_bytes_by_layout),
+        quantization=engine.quantization,
     )
 
 

@@ -194,6 +194,11 @@ def with_onednn_int8(qw: QuantizedWeight, probe: bool = False) -> QuantizedWeigh
     return dataclasses.replace(qw, onednn=(packed, torch.zeros(qw.out_features, dtype=torch.int64)))
 
 
+# The bfloat16 table is a second copy of the head at twice the int8 bytes (335 MiB for Gemma 3's 262k x 640):
+# kept only where it computes the logits at least this many times faster than the int8 table.
+BF16_HEAD_GAIN = 1.5
+
+
 def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
     """An int8 LM head with the kernel of its logits measured here per row count (kernels/cpu/choices.py)
     among torch's int8 kernel ("int8pack"), oneDNN's int8 matmul where the CPU has an int8 dot product
@@ -221,7 +226,7 @@ def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
         candidates["onednn_int8"] = onednn_int8_fn
     if onednn_bf16_supported() and onednn_linear_available():  # oneDNN has bfloat16 kernels here
         candidates["bf16"] = bf16_fn
-    spans = lm_head_spans(dispatch, qw, candidates)
+    spans = lm_head_spans(dispatch, qw, candidates, second_copies={"bf16": BF16_HEAD_GAIN})
     used = {name for _, name in spans}
     return dataclasses.replace(qw, onednn=with_onednn_int8(qw).onednn if "onednn_int8" in used else None,
                                dense=bf16_table() if "bf16" in used else None, logits_spans=spans)

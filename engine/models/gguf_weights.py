@@ -1,11 +1,17 @@
 """A GGUF file's tensors as our quantized layouts (kernels/quant_linear.py), one tensor at a time,
 read memory-mapped with the `gguf` package: no full-precision copy of the model ever exists.
 
-    Q4_0, Q4_1     -> int4, groups of 32, exactly (Q4_0: w = d (q - 8); Q4_1: w = d q + m)
-    Q4_K           -> int4, groups of 32, requantized from the dequantized tensor
-    Q5_K, Q6_K, Q8_0 -> int8 per output row, requantized from the dequantized tensor
-    F32, F16, BF16 -> dense (norms; small)
-Anything else fails at load with UnsupportedQuantizationError naming these.
+Each tensor is served in the best layout its type maps to ("Q4_K_M" and "Q5_K_M" files mix several):
+
+    Q4_0, Q4_1             -> int4, groups of 32, exactly (Q4_0: w = d (q - 8); Q4_1: w = d q + m)
+    Q2_K, Q3_K, Q4_K       -> int4, groups of 32, requantized: each holds uniform grids of at most 16 levels
+                              on sub-blocks of 16-32 values, which int4 groups of 32 hold to half a step
+    every other quantized type the `gguf` package reads (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, the IQ, TQ and FP4
+    types)                 -> int8 rows (one scale per output row), requantized from the dequantized tensor
+    F32, F16, BF16         -> the model dtype (dense)
+
+Only a type the `gguf` package cannot read fails, naming the tensor and its type. ``conversions`` counts
+what was converted to what, for the start-up log.
 
 Row order: llama.cpp's converter permutes the rows of Llama's q and k projections (rotary pairs
 interleaved); ``unpermute_rows`` undoes it as transformers' GGUF loader does, so the weights match the
@@ -13,6 +19,7 @@ HF folder converted from the same file.
 """
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +31,31 @@ from kernels.quant_linear import (
 )
 
 EXACT_INT4 = ("Q4_0", "Q4_1")
-REQUANT_INT4 = ("Q4_K",)
-REQUANT_INT8 = ("Q5_K", "Q6_K", "Q8_0")
+REQUANT_INT4 = ("Q2_K", "Q3_K", "Q4_K")
 DENSE = ("F32", "F16", "BF16")
-SUPPORTED = EXACT_INT4 + REQUANT_INT4 + REQUANT_INT8
+
+
+def readable(kind: str) -> bool:
+    """Whether the `gguf` package dequantizes this tensor type."""
+    import gguf
+    from gguf.quants import dequantize
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind, None)
+    if qtype is None:
+        return False
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, size * (256 // block if block < 256 else 1)), dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def layout_of(kind: str) -> str:
+    """The layout a tensor of GGUF type ``kind`` is served in: "int4", "int8" or "dense"."""
+    if kind in DENSE:
+        return "dense"
+    return "int4" if kind in EXACT_INT4 + REQUANT_INT4 else "int8"
 
 
 class UnsupportedQuantizationError(InvalidConfigError):
@@ -42,6 +70,7 @@ class GGUFTensors:
         from gguf import GGUFReader
 
         self.int4_layout = int4_layout
+        self.conversions: collections.Counter[tuple[str, str]] = collections.Counter()  # (type, layout) -> tensors
         self.path = Path(path)
         self._reader = GGUFReader(str(path))
         self._tensors = {t.name: t for t in self._reader.tensors}
@@ -70,34 +99,55 @@ class GGUFTensors:
         return pack(self.unpacked(name, rows), self.int4_layout)
 
     def unpacked(self, name: str, rows: np.ndarray | None = None) -> tuple:
-        """("int4", q, scale, zero) or ("int8", q, scale) before packing: weights that share an input
-        (q, k, v) are stacked in this form, then packed once (the int4 pack tiles rows together)."""
+        """("int4", q, scale, zero), ("int8", q, scale) or ("dense", w) before packing: weights that share an
+        input (q, k, v) are stacked in this form, then packed once (the int4 pack tiles rows together)."""
         t = self._tensors[name]
         kind = t.tensor_type.name
+        layout = layout_of(kind)
+        self.conversions[(kind, layout)] += 1
         if kind in EXACT_INT4:
             return ("int4", *_exact_int4(np.asarray(t.data), kind, rows))
-        if kind not in SUPPORTED:
+        if kind not in DENSE and not readable(kind):
             raise UnsupportedQuantizationError(
-                f"{self.path.name}: tensor {name} is {kind}; quantized serving supports {', '.join(SUPPORTED)} "
-                f"(and dense {', '.join(DENSE)}); pass quantization='none' to dequantize it instead.")
+                f"{self.path.name}: tensor {name} is {kind}, a type the gguf package cannot read; pass "
+                "quantization='none' to let transformers dequantize the file instead.")
         w = self.dense(name)
         if rows is not None:
             w = w[torch.from_numpy(rows)]
-        return ("int4", *int4_groups_of_float(w)) if kind in REQUANT_INT4 else ("int8", *int8_rows_of_float(w))
+        if layout == "dense":
+            return ("dense", w)
+        return ("int4", *int4_groups_of_float(w)) if layout == "int4" else ("int8", *int8_rows_of_float(w))
+
+    def summary(self) -> str:
+        """What was converted to what: "81 Q5_0 -> int8, 27 Q4_K -> int4, ..." (most first)."""
+        return ", ".join(f"{n} {kind} -> {layout}" for (kind, layout), n in self.conversions.most_common())
 
 
-def pack(parts: tuple, int4_layout=None) -> QuantizedWeight:
+def pack(parts: tuple, int4_layout=None) -> QuantizedWeight | torch.Tensor:
+    """A QuantizedWeight, or the float tensor itself for "dense" parts."""
+    if parts[0] == "dense":
+        return parts[1]
     if parts[0] == "int8":
         return int8_from_channels(*parts[1:])
     q, scale, zero = parts[1:]
     return int4_from_groups(q, scale, zero, q.shape[1] // scale.shape[1], layout=int4_layout)
 
 
-def stack(parts: list[tuple], int4_layout=None) -> QuantizedWeight:
-    """One weight of several unpacked ones with the same input, rows in order."""
-    if any(p[0] != parts[0][0] for p in parts):  # mixed types in one group: all as int8 rows
+def stack(parts: list[tuple], int4_layout=None) -> QuantizedWeight | torch.Tensor:
+    """One weight of several unpacked ones with the same input, rows in order. Mixed layouts in one group
+    take the finest among them: dense if any part is dense, else int8 rows if any part is int8."""
+    kinds = {p[0] for p in parts}
+    if "dense" in kinds:
+        return torch.cat([_float(p) for p in parts])
+    if len(kinds) > 1:  # int4 beside int8: all as int8 rows
         parts = [p if p[0] == "int8" else ("int8", *int8_rows_of_float(_dense_int4(p))) for p in parts]
     return pack((parts[0][0], *(torch.cat([p[i] for p in parts]) for i in range(1, len(parts[0])))), int4_layout)
+
+
+def _float(p: tuple) -> torch.Tensor:
+    if p[0] == "dense":
+        return p[1]
+    return _dense_int4(p) if p[0] == "int4" else p[1].float() * p[2][:, None]
 
 
 def _dense_int4(p: tuple) -> torch.Tensor:
@@ -133,9 +183,11 @@ def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
 def quantized_embedding_weight(tensors: GGUFTensors, name: str) -> QuantizedWeight:
     """The token embedding (and tied LM head) as int8 rows: one scale per token, gathered by lookup."""
     t = tensors.type_of(name)
-    if t in DENSE or t in SUPPORTED:
-        return int8_from_float(tensors.dense(name)) if t != "Q8_0" else _q8_0_rows(tensors, name)
-    raise UnsupportedQuantizationError(f"{tensors.path.name}: {name} is {t}; supported: {', '.join(SUPPORTED)}.")
+    if t not in DENSE and not readable(t):
+        raise UnsupportedQuantizationError(f"{tensors.path.name}: tensor {name} is {t}, a type the gguf package "
+                                           "cannot read; pass quantization='none' to dequantize the file instead.")
+    tensors.conversions[(t, "int8")] += 1
+    return int8_from_float(tensors.dense(name)) if t != "Q8_0" else _q8_0_rows(tensors, name)
 
 
 def _q8_0_rows(tensors: GGUFTensors, name: str) -> QuantizedWeight:

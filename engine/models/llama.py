@@ -180,8 +180,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether the linears are QuantizedWeight (quantized GGUF, compressed-tensors, GPTQ or AWQ)."""
-        return isinstance(self.model.layers[0].self_attn.qkv_proj.weight, QuantizedWeight)
+        """Whether any linear is a QuantizedWeight (quantized GGUF, compressed-tensors, GPTQ or AWQ; a GGUF file
+        can mix quantized and float tensors)."""
+        return any(isinstance(getattr(layer.get_submodule(path), "weight", None), QuantizedWeight)
+                   for layer in self.model.layers for path in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                               "mlp.gate_up_proj", "mlp.down_proj"))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None,
              scaling: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,26 +63,41 @@ def release_module(module: nn.Module, form) -> int:
 
 
 def resident_bytes(model) -> int:
-    """Bytes of weights the model holds once bound: its remaining parameters (norms, embedding, biases, kept
-    plain weights), the bound forms that are copies, and quantized tables (with an LM head's second forms)."""
+    """Bytes of weights the model holds once bound (resident_bytes_by_layout, summed)."""
+    return sum(resident_bytes_by_layout(model).values())
+
+
+def resident_bytes_by_layout(model) -> dict[str, int]:
+    """Bytes of weights the model holds once bound, by layout: "int4" and "int8" quantized tables (an LM head's
+    second forms with its table), and the float ones by dtype: the remaining parameters (norms, embedding,
+    biases, kept plain weights) and the bound forms that are copies."""
     from kernels.cpu.linear import form_nbytes
     from kernels.quant_linear import QuantizedWeight
 
+    out: dict[str, int] = {}
+
+    def add(key: str, nbytes: int) -> None:
+        out[key] = out.get(key, 0) + nbytes
+
     seen: set[int] = set()
-    total = 0
     for p in model.parameters():
         if p.device.type != "meta" and p.untyped_storage().data_ptr() not in seen:
             seen.add(p.untyped_storage().data_ptr())
-            total += p.numel() * p.element_size()
+            add(str(p.dtype).removeprefix("torch."), p.numel() * p.element_size())
     forms = [form for _, form in _linears(model)]
     if model.config.tie_word_embeddings and model._lm_head is not None:
         forms.append(model._lm_head)
     for form in forms:
-        if isinstance(form, QuantizedWeight):
-            continue  # counted below, with the module's tables
-        if not (_storages(form) & seen):
-            total += form_nbytes(form)
+        if not isinstance(form, QuantizedWeight) and not (_storages(form) & seen):
+            add(_dtype_name(form), form_nbytes(form))
     quantized = {id(q): q for m in model.modules() for q in [getattr(m, "qweight", None)] if isinstance(q, QuantizedWeight)}
     if isinstance(model._lm_head, QuantizedWeight):
         quantized[id(model.lm_head.weight)] = model._lm_head  # the head as bound: with its second forms
-    return total + sum(q.nbytes for q in quantized.values())
+    for q in quantized.values():
+        add("int4" if q.layout.startswith("int4") else q.layout, q.nbytes)
+    return out
+
+
+def _dtype_name(form) -> str:
+    tensor = getattr(form, "small", form)
+    return str(getattr(tensor, "dtype", "unknown")).removeprefix("torch.")

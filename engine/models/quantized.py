@@ -7,6 +7,7 @@ with_quantized_linear, bound in bind_ops). Norms and biases stay dense in the mo
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_weights import GGUFTensors, quantized_embedding_weight, stack, unpermute_rows
 from kernels.quant_linear import QuantizedWeight
 
+logger = logging.getLogger("prefixserve")
 CONVERSION_MARKER = "prefixserve_conversion.json"  # engine/models/resolve.py writes it beside a converted GGUF
 
 
@@ -29,6 +31,22 @@ class QuantizedLinear(nn.Module):
     @property
     def weight(self) -> QuantizedWeight:  # what LayerWeights.of packs (pack_weight leaves it as is)
         return self.qweight
+
+
+class DenseLinear(nn.Module):
+    """A linear of a quantized GGUF file stored in a float type (F32, F16, BF16): its weight in the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+
+def linear_module(weight: QuantizedWeight | torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+    """The module for one of a GGUF file's linears, by the layout its type maps to (gguf_weights.layout_of)."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedLinear(weight, bias)
+    return DenseLinear(weight.to(dtype).contiguous(), bias)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -57,7 +75,7 @@ def gguf_source(folder: str | Path) -> Path | None:
     return source if source.is_file() else None
 
 
-def _fused(tensors: GGUFTensors, names: list[str], rows: list[np.ndarray | None]) -> QuantizedWeight:
+def _fused(tensors: GGUFTensors, names: list[str], rows: list[np.ndarray | None]) -> QuantizedWeight | torch.Tensor:
     """Several projections of one input (q, k, v / gate, up) as one weight, rows stacked."""
     return stack([tensors.unpacked(n, r) for n, r in zip(names, rows)], tensors.int4_layout)
 
@@ -77,14 +95,14 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, tensors: GGUFTensors, dty
     for i, layer in enumerate(model.model.layers):
         p = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = QuantizedLinear(
+        attn.qkv_proj = linear_module(
             _fused(tensors, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], [q_rows, k_rows, None]),
-            _bias(tensors, [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"], dtype))
-        attn.o_proj = QuantizedLinear(tensors.quantized(p + "attn_output.weight"),
-                                      _bias(tensors, [p + "attn_output.bias"], dtype))
-        mlp.gate_up_proj = QuantizedLinear(_fused(tensors, [p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None]),
-                                           None)
-        mlp.down_proj = QuantizedLinear(tensors.quantized(p + "ffn_down.weight"), None)
+            _bias(tensors, [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"], dtype), dtype)
+        attn.o_proj = linear_module(tensors.quantized(p + "attn_output.weight"),
+                                    _bias(tensors, [p + "attn_output.bias"], dtype), dtype)
+        mlp.gate_up_proj = linear_module(_fused(tensors, [p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None]),
+                                         None, dtype)
+        mlp.down_proj = linear_module(tensors.quantized(p + "ffn_down.weight"), None, dtype)
         norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
         if cfg.sandwich_norms:  # Gemma 3; llama.cpp stores its norms as 1 + w, the weight our norms read
             norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -101,3 +119,4 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, tensors: GGUFTensors, dty
         model.lm_head = QuantizedLinear(quantized_embedding_weight(tensors, "output.weight"), None)
     else:  # tied: the LM head reads the embedding table
         model.lm_head = QuantizedLinear(embedding, None)
+    logger.info("%s served quantized: %s", tensors.path.name, tensors.summary())

@@ -382,6 +382,7 @@ def _write_hf_folder(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
+    _refuse_unreadable_types(gguf_path)
     kwargs: dict[str, Any] = {}
     gguf_config = getattr(transformers, "GgufConfig", None)
     if gguf_config is not None:
@@ -416,6 +417,23 @@ def _write_hf_folder(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     arch = _architecture(_read_config(out))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"GGUF file {str(gguf_path)!r} converted to unsupported architecture {arch!r}.")
+
+
+def _refuse_unreadable_types(gguf_path: pathlib.Path) -> None:
+    """A tensor type the gguf package cannot read fails here, naming the tensor and the type (transformers'
+    converter, which reads through it, would fail deeper down)."""
+    from gguf import GGUFReader
+
+    from engine.models.gguf_weights import UnsupportedQuantizationError, readable
+
+    kinds: dict[str, str] = {}
+    for t in GGUFReader(str(gguf_path)).tensors:
+        kinds.setdefault(t.tensor_type.name, t.name)
+    for kind, tensor in kinds.items():
+        if kind not in ("F32", "F16", "BF16") and not readable(kind):
+            raise UnsupportedQuantizationError(
+                f"{gguf_path.name}: tensor {tensor} is {kind}, a type the gguf package cannot read (every other "
+                "llama.cpp type is served: int4, int8 rows or dense by type).")
 
 
 def _fix_tokenizer_files(gguf_path: pathlib.Path, out: pathlib.Path) -> None:

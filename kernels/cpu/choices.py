@@ -65,10 +65,12 @@ def linear_small_rows(dispatch: Dispatcher, weight: torch.Tensor, *, gated: bool
     return EVERY if upto >= EVERY and limit >= EVERY else min(upto, limit)
 
 
-def lm_head_spans(dispatch: Dispatcher, qw, candidates: dict[str, Callable[[], Callable]]
-                  ) -> tuple[tuple[int, str], ...]:
+def lm_head_spans(dispatch: Dispatcher, qw, candidates: dict[str, Callable[[], Callable]],
+                  second_copies: dict[str, float] | None = None) -> tuple[tuple[int, str], ...]:
     """Which of ``candidates`` (name -> a builder of fn(x [M, K]) -> logits [M, V]) computes an int8 LM head's
-    logits at each row count, measured against the float32 product of its int8 rows."""
+    logits at each row count, measured against the float32 product of its int8 rows. ``second_copies``:
+    candidates that hold a second copy of the table, each with the speed-up over the best of the others it
+    must bring at a row count to be bound there."""
     from ..quant_linear import dequantize
 
     def setup():
@@ -79,7 +81,27 @@ def lm_head_spans(dispatch: Dispatcher, qw, candidates: dict[str, Callable[[], C
 
     choice = dispatch.choose("lm_head", f"int8 {qw.out_features}x{qw.in_features}", list(candidates), setup,
                              HEAD_ROWS, tol=0.05)
-    return choice.by_rows
+    return worth_their_memory(choice, second_copies or {})
+
+
+def worth_their_memory(choice, gains: dict[str, float]) -> tuple[tuple[int, str], ...]:
+    """``choice``'s spans, with each row count given to a candidate of ``gains`` (one that costs a second copy)
+    only where it is at least its gain faster than the best candidate that costs none."""
+    if not gains or not choice.times_ms or not set(choice.names()) & set(gains):
+        return choice.by_rows
+    picks = []
+    for rows in sorted(map(int, next(iter(choice.times_ms.values())))):
+        name = choice.name_for(rows)
+        if name in gains:
+            plain = {n: t[str(rows)] for n, t in choice.times_ms.items() if n not in gains and str(rows) in t}
+            best = min(plain, key=plain.get) if plain else name
+            if plain and plain[best] < gains[name] * choice.times_ms[name][str(rows)]:
+                name = best
+        picks.append((rows, name))
+    spans: list[tuple[int, str]] = []
+    for rows, name in picks:
+        spans = spans[:-1] + [(rows, name)] if spans and spans[-1][1] == name else spans + [(rows, name)]
+    return tuple(spans[:-1]) + ((EVERY, spans[-1][1]),)
 
 
 def int4_layout(dispatch: Dispatcher, n: int, k: int, group_size: int, candidates: dict[str, tuple]) -> str:
