@@ -36,6 +36,7 @@ from engine.models.config import ModelConfig
 from engine.models.parallel import SINGLE, TPGroup
 from kernels import KernelOps
 from engine.models.packed_weights import release_layer, release_module, restore
+from engine.progress import PROGRESS_DELAY_S, tqdm
 from kernels.quant_linear import QuantizedWeight, quantized_logits, with_quantized_linear
 
 
@@ -166,7 +167,9 @@ class LlamaForCausalLM(nn.Module):
         self._fused_mlp = ops.linear_silu_mul is not None and self.config.hidden_act == "silu"
         pack_gate_up = ops.pack_gate_up if self._fused_mlp else ops.pack_weight
         layers = []
-        for layer in self.model.layers:  # each layer's plain weights released once packed (packed_weights.py)
+        # Each layer's plain weights released once packed (packed_weights.py); a bar where packing takes a while
+        for layer in tqdm(self.model.layers, desc="packing weights", unit="layer", delay=PROGRESS_DELAY_S,
+                          leave=False):
             layers.append(LayerWeights.of(layer, ops.pack_weight, pack_gate_up))
             release_layer(layer, layers[-1])
         self._layers = tuple(layers)

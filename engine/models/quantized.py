@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.progress import PROGRESS_DELAY_S, tqdm
 from engine.models.gguf_weights import GGUFTensors, quantized_embedding_weight, stack, unpermute_rows
 from kernels.quant_linear import QuantizedWeight
 
@@ -92,7 +93,8 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, tensors: GGUFTensors, dty
     permute = tensors.architecture == "llama"
     q_rows = unpermute_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads) if permute else None
     k_rows = unpermute_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads) if permute else None
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(tqdm(model.model.layers, desc=f"reading {tensors.path.name}", unit="layer",
+                                   delay=PROGRESS_DELAY_S, leave=False)):
         p = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = linear_module(

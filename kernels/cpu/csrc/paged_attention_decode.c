@@ -487,7 +487,7 @@ PS_DEFINE_ITEM_AVX2(ps_item_avx_bf16, uint16_t, PS_LOAD8_BF16, ps_store_bf16)
  * (9 query / 3 KV heads, 1,024 shared tokens + 16-80 own unless said):
  *   2-core AMD EPYC Zen 5, bfloat16 pairs: 8 samples (24 rows) 0.19 -> 0.10-0.16 ms; 4 x 16 sequences
  *     1.33-1.54 -> 0.55-0.92; 64: 1.28-1.31 -> 0.38-0.54.
- *   The same CPU, float32, after the flash items' later rounds (the threshold had been 96 rows, set when
+ *   The same CPU, float32, once the flash items had their register transposes (the threshold had been 96 rows, set when
  *     48 measured slower): 8 samples 0.183-0.187 -> 0.135-0.138 ms; 2 x 8 over 512 0.180-0.187 -> 0.123;
  *     4 x 16 1.52-1.63 -> 1.00-1.07; 64 0.59 both. Under 16 rows the items lose: 4 beams over 512 (12
  *     rows) 0.06 -> 0.08, 2 samples (6 rows) 0.063 -> 0.13.
