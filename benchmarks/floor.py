@@ -122,14 +122,11 @@ def gemm_rate(shape: ModelShape, dtype: torch.dtype, rows: int, seconds: float =
 
 
 def memory_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes/s read by torch.sum over a tensor far larger than the caches, best of 5."""
-    t = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        t.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    """Bytes/s read by torch.sum over a tensor far larger than the caches, best of 5 (the engine's start-up
+    speed check measures the same way)."""
+    from engine.speed_check import read_rate
+
+    return read_rate(nbytes, repeats=5)
 
 
 def measure(shape: ModelShape) -> dict:

@@ -156,7 +156,7 @@ def machine_rates(dtype: torch.dtype, cache_dir) -> dict[str, float]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    rates = {"memory_bytes_per_s": _read_rate(), "gemm_flops_per_s": _gemm_rate(dtype)}
+    rates = {"memory_bytes_per_s": read_rate(), "gemm_flops_per_s": _gemm_rate(dtype)}
     if busy():  # another process's load lowers both: this machine's figures are taken on a quieter start
         return rates
     try:
@@ -167,10 +167,11 @@ def machine_rates(dtype: torch.dtype, cache_dir) -> dict[str, float]:
     return rates
 
 
-def _read_rate(nbytes: int = 512 << 20) -> float:
+def read_rate(nbytes: int = 512 << 20, repeats: int = 4) -> float:
+    """Bytes/s read by torch.sum over a tensor far larger than the caches (all threads), best of ``repeats``."""
     t = torch.ones(nbytes // 4, dtype=torch.float32)
     best = float("inf")
-    for _ in range(4):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         t.sum()
         best = min(best, time.perf_counter() - t0)
