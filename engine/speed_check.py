@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from kernels.cpu.dispatch import busy
 
 logger = logging.getLogger("prefixserve")
 
@@ -67,9 +68,9 @@ def check_speed(runner, dtype: torch.dtype, weight_bytes: int, cache_dir) -> Spe
     if worst > WARN_RATIO:
         ops = report.decode_ops if report.decode_s / report.decode_floor_s >= worst else report.prefill_ops
         top, share = max(ops.items(), key=lambda kv: kv[1]) if ops else ("?", 0.0)
-        logger.warning("speed check: %s: %.1fx slower than this machine's floor, %s taking %.0f%% of the step; "
+        logger.warning("speed check: %s: %.1fx slower than this machine's floor, %s taking %.0f%% of the step%s; "
                        "`prefixserve collect-env` lists the kernels chosen here", report.describe(), worst, top,
-                       100 * share)
+                       100 * share, " (other work oversubscribed the CPUs during the check)" if busy() else "")
     else:
         logger.info("speed check: %s", report.describe())
     return report

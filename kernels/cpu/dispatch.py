@@ -99,7 +99,9 @@ class Dispatcher:
     """Measures, caches and remembers one process's choices (``choices``: op key -> Choice, for the start-up
     log and ``prefixserve collect-env``)."""
 
-    def __init__(self, cache_dir: Path | None = None, overrides: str | None = None, budget_s: float = 0.25) -> None:
+    def __init__(self, cache_dir: Path | None = None, overrides: str | None = None, budget_s: float = 0.25,
+                 is_busy: Callable[[], bool] | None = None) -> None:
+        self.is_busy = is_busy or busy  # timings taken while it says so are used but not cached
         self.cache_dir = cache_dir if cache_dir is not None else _default_cache_dir()
         self.overrides = _parse_overrides(os.environ.get(OVERRIDE_ENV, "") if overrides is None else overrides)
         self.budget_s = budget_s  # per candidate and row count, at most (a few calls suffice for a median)
@@ -131,7 +133,7 @@ class Dispatcher:
                 candidates, make_input, reference = setup()
                 choice = self._measure(op, key, {n: candidates[n] for n in names if n in candidates}, make_input,
                                        rows, reference, tol, mode)
-                if busy():
+                if self.is_busy():
                     logger.warning("%s %s measured while the CPUs were oversubscribed (load %.1f on %d): used "
                                    "for this process only, measured again at the next start", op, key,
                                    os.getloadavg()[0], os.cpu_count() or 1)

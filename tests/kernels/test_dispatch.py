@@ -3,6 +3,7 @@ turn timings into a choice, the checks that keep a wrong or far slower implement
 makes later starts measure nothing, the override, and the choices the bound CPU ops make."""
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -70,15 +71,25 @@ def test_measuring_checks_results_drops_the_far_slower_and_caches(tmp_path):
         return _fake(work, calls, wrong="wrong"), lambda m: torch.ones(m, 4), lambda x: x
 
     names = ["fast", "slow", "wrong"]
-    first = Dispatcher(cache_dir=tmp_path, overrides="").choose("op", "k", names, setup, (1, 8, 64), tol=1e-3)
+    quiet = dict(cache_dir=tmp_path, overrides="", is_busy=lambda: False)  # whatever else runs beside the test
+    first = Dispatcher(**quiet).choose("op", "k", names, setup, (1, 8, 64), tol=1e-3)
     assert first.how == "measured" and first.names() == ["fast"] and len(built) == 1
     assert "off by" in first.rejected["wrong"] and "slower than the fastest at 1 rows" in first.rejected["slow"]
     assert set(first.times_ms) == {"fast"} and calls["slow"] <= 9  # checked, warmed, timed at 1 row only
-    again = Dispatcher(cache_dir=tmp_path, overrides="").choose("op", "k", names,
-                                                               lambda: pytest.fail("measured again"), (1, 8, 64))
+    again = Dispatcher(**quiet).choose("op", "k", names, lambda: pytest.fail("measured again"), (1, 8, 64))
     assert again.how == "cached" and again.by_rows == first.by_rows and again.rejected == first.rejected
-    other = Dispatcher(cache_dir=tmp_path, overrides="").choose("op", "other shape", ["fast"], setup_one(), (1,))
+    other = Dispatcher(**quiet).choose("op", "other shape", ["fast"], setup_one(), (1,))
     assert other.how == "measured"
+
+
+def test_timings_taken_on_busy_cpus_are_used_but_not_cached(tmp_path, caplog):
+    busy = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: True)
+    with caplog.at_level(logging.WARNING, logger="prefixserve"):
+        first = busy.choose("op", "k", ["fast"], setup_one(), (1,))
+    assert first.how == "measured" and "oversubscribed" in caplog.text
+    again = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: False).choose("op", "k", ["fast"],
+                                                                                       setup_one(), (1,))
+    assert again.how == "measured"  # nothing was cached: the next start measures again
 
 
 def setup_one():

@@ -51,7 +51,7 @@ def test_dropped_stream_frees_blocks(base_url, slow_engine):
             for line in response.iter_lines():
                 if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                     break
-            assert blocks_in_use(slow_engine) > 0  # still generating
+            assert blocks_in_use(slow_engine) > 0, slow_engine.engine.stats()  # still generating
     # The client is gone: the request is aborted long before its 400 tokens (>= 4 s) could finish.
     started = time.monotonic()
     wait_for_idle(slow_engine, timeout=3.0)
