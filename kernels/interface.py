@@ -50,6 +50,9 @@ class KernelOps:
     # pack_weight's inverse: a weight [N, K] back from its bound form, exactly (the model releases the plain
     # tensors its bound forms duplicate and unpacks them to bind another op set)
     unpack_weight: Callable = unpacked
+    # row_reader(form) -> fn(ids) -> rows [T, K] read from a bound form, or None where the form cannot: a tied LM
+    # head's form then serves the embedding too (None: the backend never does)
+    row_reader: Callable | None = None
 
 
 def debug_kernels() -> bool:

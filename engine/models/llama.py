@@ -35,7 +35,7 @@ from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.parallel import SINGLE, TPGroup
 from kernels import KernelOps
-from engine.models.packed_weights import release_layer, release_module, restore
+from engine.models.packed_weights import release_layer, release_module, release_tied_embedding, restore
 from engine.progress import PROGRESS_DELAY_S, tqdm
 from kernels.quant_linear import QuantizedWeight, quantized_logits, with_quantized_linear
 
@@ -148,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self._fused_mlp = False  # gate_up and SiLU-and-multiply through ops.linear_silu_mul (bind_ops)
         self._layers: tuple[LayerWeights, ...] = ()
         self._lm_head: torch.Tensor | None = None  # lm_head.weight as the bound ops' linear reads it
+        self._embed_from = None  # fn(ids) -> embedding rows from the tied head's bound form (bind_ops)
 
     def bind_ops(self, ops: KernelOps) -> None:
         """Bind the backend's ops (once, at load) and gather each layer's tensors. The model is for
@@ -156,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
         into the ops' own layout here too (ops.pack_weight; on CPU a second, blocked copy of each)."""
         if self.ops is not None:  # bound before: the released plain weights come back from those forms
             restore(self, self.ops)
+        self._embed_from = None  # fn(ids) -> embedding rows read from the tied head's bound form (CPU lanes)
         self.requires_grad_(False)
         dtype = self.model.norm.weight.dtype
         if self.quantized:  # the same ops, with a linear that also takes QuantizedWeight
@@ -178,8 +180,12 @@ class LlamaForCausalLM(nn.Module):
             self._lm_head = ops.pack_lm_head(head) if ops.pack_lm_head else head
         else:
             self._lm_head = (ops.pack_lm_head or ops.pack_weight)(head.detach())  # no Parameter
-            if not self.config.tie_word_embeddings:  # a tied head is the embedding table, which stays
+            if not self.config.tie_word_embeddings:
                 release_module(self.lm_head, self._lm_head)
+            elif self.tp.size == 1 and ops.row_reader is not None:  # tied: embed from the head's form if it can
+                self._embed_from = ops.row_reader(self._lm_head)
+                if self._embed_from is not None:
+                    release_tied_embedding(self)
 
     @property
     def quantized(self) -> bool:
@@ -255,6 +261,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self._embed_from is not None:
+            return self._embed_from(input_ids)
         if self.tp.size == 1:
             return self.model.embed_tokens(input_ids)
         rows = self.config.vocab_size  # this rank's slice of the vocabulary

@@ -115,6 +115,17 @@ def unpack_weight(form) -> torch.Tensor:
     return form
 
 
+def row_reader(form):
+    """fn(ids [T]) -> the weight's rows [T, K] read straight from its lanes layout, or None for other forms: a
+    tied LM head's packed form serves the embedding lookup, so the vocabulary table is held once."""
+    if type(form) is not CpuLinearWeight or not form.lanes or form.gated:
+        return None
+    lanes, k = form.small, form.shape[1]
+    if lanes.dim() == 3:  # float32 [Np/32, K, 32]
+        return lambda ids: lanes[ids // LANES, :, ids % LANES]
+    return lambda ids: lanes[ids // LANES, :, ids % LANES, :].reshape(ids.shape[0], -1)[:, :k].contiguous()
+
+
 def form_nbytes(form) -> int:
     """Bytes a weight's bound form holds (both of a CpuLinearWeight's forms)."""
     if type(form) is CpuLinearWeight:

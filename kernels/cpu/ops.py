@@ -38,7 +38,7 @@ from .native import NativeKernels, native_kernels
 from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
 from .linear import (EVERY_ROW, CpuLinearWeight, c_kernel_rows, covers, has_lanes, lanes_linear, lanes_linear_silu_mul,
-                     linear_covered, pack_lanes, pack_lanes_gated, rows_covered, unpack_weight)
+                     linear_covered, pack_lanes, pack_lanes_gated, row_reader, rows_covered, unpack_weight)
 from ..interface import KernelOps
 from ..quant_linear import with_logits_kernels
 from .paged_attention import call_decode, paged_attention_decode_cpu, paged_attention_prefill_cpu
@@ -69,7 +69,8 @@ def checked_cpu_ops() -> KernelOps:
     """The launchers: every call checked, the references wherever a C kernel does not apply."""
     return KernelOps("cpu", _checked_linear, add_rms_norm_cpu, silu_mul_cpu, rope_cpu, store_kv_cpu,
                      paged_attention_decode_cpu, paged_attention_prefill_cpu, copy_blocks_torch, pack_weight,
-                     linear_silu_mul=_checked_linear_silu_mul, pack_gate_up=pack_gate_up, unpack_weight=unpack_weight)
+                     linear_silu_mul=_checked_linear_silu_mul, pack_gate_up=pack_gate_up, unpack_weight=unpack_weight,
+                     row_reader=row_reader)
 
 
 def pack_weight(weight, *, gated: bool = False, rows: int | None = None):
@@ -157,7 +158,7 @@ class _BoundCpuOps:
                          self.decode, functools.partial(paged_attention_prefill_cpu, scratch=self.scratch),
                          copy_blocks_torch, self.pack_weight, linear_silu_mul=self.linear_silu_mul,
                          pack_gate_up=functools.partial(self.pack_weight, gated=True), pack_lm_head=self.pack_lm_head,
-                         unpack_weight=unpack_weight)
+                         unpack_weight=unpack_weight, row_reader=row_reader)
 
     # -- weights, in the forms measured fastest here (kernels/cpu/choices.py) ------------------------
     def pack_weight(self, weight, *, gated: bool = False, rows: tuple[int, ...] = LINEAR_ROWS):

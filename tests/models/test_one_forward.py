@@ -76,6 +76,33 @@ def test_backends_bind_their_op_sets(tiny_model_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_vocabulary_is_held_once(tiny_model_factory, dtype, monkeypatch):
+    """A tied LM head packed in the lanes layout serves the embedding lookup too: the table is released, the
+    model gives the tokens of the same kernels reading the table, and binding again brings it back exactly."""
+    import kernels.cpu.ops as ops_mod
+
+    if native_kernels() is None:
+        pytest.skip("no C compiler: the cpu set packs nothing")
+    path = tiny_model_factory("llama", tie_word_embeddings=True)
+    llm = _llm(path, dtype)
+    model = llm.engine.runner.model
+    if not getattr(model._lm_head, "lanes", False):
+        pytest.skip("the head's form here is not the lanes layout")
+    assert model.model.embed_tokens.weight.device.type == "meta" and model.lm_head.weight is model.model.embed_tokens.weight
+    monkeypatch.setattr(ops_mod, "row_reader", lambda form: None)  # the same kernels, the table kept
+    fresh = _llm(path, dtype)
+    assert fresh.engine.runner.model.model.embed_tokens.weight.device.type == "cpu"
+    prompts = [{"prompt_token_ids": list(range(100 + 9 * i, 120 + 9 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    theirs = [o.outputs[0].token_ids for o in fresh.generate(prompts, params, use_tqdm=False)]
+    assert ours == theirs
+    model.bind_ops(reference_ops())
+    table = fresh.engine.runner.model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, table) and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_weights_are_held_once_and_come_back_exactly_to_bind_again(tiny_model_factory, dtype):
     """The CPU ops pack each linear into their own form and the module's plain tensor is released; binding the
     torch references unpacks them exactly (the same forward as a model that never released them)."""
