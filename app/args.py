@@ -38,13 +38,17 @@ HELP = {
                                 "always: load every hit"),
     "kv_events_config": ("cache", "JSON of vLLM's KV events config (publish block stored / removed events over "
                                   "ZMQ for KV-aware routers)"),
+    "speculative_config": ("speculative", "JSON as vLLM's: {\"method\": \"ngram\" or \"suffix\", "
+                                          "\"num_speculative_tokens\": 5, ...}: draft tokens from the context and "
+                                          "earlier requests, verified in one forward (off by default)"),
     "max_num_seqs": ("scheduler", "sequences in one step at most"),
     "max_num_batched_tokens": ("scheduler", "tokens in one step at most (prefill chunks beside decodes)"),
     "scheduling_policy": ("scheduler", "fcfs, or priority (a request's priority field; lower runs first)"),
     "preemption_mode": ("scheduler", "when the pool runs dry: recompute (release the newest sequence's blocks) or "
                                      "swap (to host memory; needs --host-kv-cache-memory)"),
 }
-GROUPS = {"model": "model", "parallel": "parallel", "cache": "KV cache", "scheduler": "scheduler"}
+GROUPS = {"model": "model", "parallel": "parallel", "cache": "KV cache", "scheduler": "scheduler",
+          "speculative": "speculative decoding"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

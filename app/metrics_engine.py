@@ -28,6 +28,10 @@ ENGINE_METRICS = {
     "kv_redis_dropped_writes": ("counter", "KV block writes to Redis dropped (queue full or Redis failing)."),
     "kv_redis_failures": ("counter", "Failed Redis calls (each degraded to recomputation)."),
     "kv_redis_corrupt_values": ("counter", "Redis values ignored as corrupt, truncated or foreign."),
+    # Speculative decoding (engine/speculative/): zero while it is off.
+    "spec_decode_num_drafts": ("counter", "Number of spec decoding drafts."),
+    "spec_decode_num_draft_tokens": ("counter", "Number of draft tokens."),
+    "spec_decode_num_accepted_tokens": ("counter", "Number of accepted tokens."),
 }
 # vLLM's finish reasons: always present, so rate() over them works from the first scrape.
 FINISH_REASONS = ("stop", "length", "abort")
@@ -59,6 +63,13 @@ class EngineCollector(Collector):
                                            "Histogram of number of tokens per engine_step.", labels=["model_name"])
             buckets = [(_bound(b), float(n)) for b, n in iteration.buckets] + [("+Inf", float(iteration.count))]
             family.add_metric(labels, buckets, float(iteration.sum))
+            yield family
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos")
+        if per_pos is not None:  # present when speculative decoding is on
+            family = CounterMetricFamily(self._prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for position, n in enumerate(per_pos):
+                family.add_metric([self._model_name, str(position)], float(n))
             yield family
 
     def describe(self):

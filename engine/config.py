@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from engine.errors import InvalidConfigError
 from engine.kv_events import KVEventsConfig
 from engine.models.resolve import DEFAULT_MODEL
+from engine.speculative.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -56,6 +57,9 @@ class EngineConfig:
     # CUDA: decode steps replay CUDA graphs captured at start-up (engine/cuda_graphs.py); True runs every
     # step eagerly, as vLLM's flag of the same name.
     enforce_eager: bool = False
+    # Draft-free speculative decoding (engine/speculative/): a SpeculativeConfig, its JSON text (the CLI
+    # flag) or a dict, as vLLM's: {"method": "ngram" | "suffix", "num_speculative_tokens": k, ...}; None: off.
+    speculative_config: SpeculativeConfig | str | dict | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -100,6 +104,7 @@ class EngineConfig:
         if self.kv_tier_policy not in KV_TIER_POLICIES:
             bad(f"kv_tier_policy must be one of {KV_TIER_POLICIES}, got {self.kv_tier_policy!r}.")
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.quantization not in (None, "auto", "gguf", "none"):
             bad(f"quantization must be one of 'auto', 'gguf', 'none', got {self.quantization!r}.")
         if self.tensor_parallel_size < 1:

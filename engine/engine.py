@@ -34,6 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative import build_drafter
 from engine.speed_check import check_speed
 from engine.structured_output import StructuredOutputManager
 from kernels import get_ops
@@ -107,12 +108,15 @@ class Engine:
         stages.update(self.runner.stage_seconds, **{"speed check": time.perf_counter() - t0})
         logger.info("start-up in %.1f s: %s", time.perf_counter() - started,
                     ", ".join(f"{name} {s:.1f} s" for name, s in stages.items() if s >= 0.05))
+        # Speculative decoding: drafts sized by this machine's measured step cost (before any request).
+        self.drafter = build_drafter(config.speculative_config, self.runner, parallel=self.workers is not None)
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy), self.blocks,
             self.tiers, eos_token_ids=self.model_config.eos_token_ids, preemption_mode=config.preemption_mode,
             read_kv_blocks=self.runner.read_blocks if self.workers else self.runner.kv_mover.read_blocks,
+            drafter=self.drafter, max_model_len=self.max_model_len,
         )
         self.outputs = OutputProcessor(
             self.scheduler, self.detokenizer, self.structured, tuple(self.model_config.eos_token_ids),
@@ -278,6 +282,7 @@ class Engine:
             "request_success": dict(self.outputs.counters.requests_finished),
             "iteration_tokens": self.outputs.counters.iteration_tokens.snapshot(),
             **tier_stats(self.tiers),
+            **(self.drafter.counters.snapshot() if self.drafter is not None else {}),
         }
 
     def check_integrity(self) -> None:
@@ -291,6 +296,8 @@ class Engine:
         live_ids = {s.seq_id for st in self.outputs.requests.values() for s in st.live_seqs()}
         assert live_ids <= set(self.scheduler.seqs), "a live sequence is unknown to the scheduler"
         self.structured.check_integrity(live_ids)
+        if self.drafter is not None:
+            self.drafter.check_integrity(set(self.scheduler.seqs))
 
     def _cuda_graph_sizes(self, ops) -> list[int] | None:
         """Decode batch sizes captured as CUDA graphs (engine/cuda_graphs.py): on one CUDA device with the

@@ -9,7 +9,7 @@ import logging
 import math
 import mmap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SampleResult, SampleRow, Sampler
 from engine.scheduler_output import SampleSpec, ScheduledRow, SchedulerOutput
+from engine.speculative.verify import verify_drafts
 from engine.structured_output import GrammarMask, StructuredOutputManager
 from kernels import KernelOps
 from prefix_cache import TransferTimings
@@ -59,6 +60,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs]  # seq_id -> this step's prompt logprobs
     transfer_timings: TransferTimings | None = None  # the step's KV tier moves, when it had any
     forward_seconds: float = 0.0  # the step's time without its tier transfers (feeds the tier cost model)
+    num_accepted: dict[str, int] = field(default_factory=dict)  # seq_id -> drafts accepted (rows with drafts)
 
 
 class ModelRunner:
@@ -126,20 +128,23 @@ class ModelRunner:
         input_ids, positions, attn = self._prepare(rows, batch.num_decode_rows)
         hidden = self._forward(input_ids, positions, attn)  # [T, hidden]
 
-        # Only the last position of a row that reaches the end of its tokens needs logits. The
-        # samples forking from a row (n>1) are extra rows of the same logits, each drawn with its
-        # own params and generator.
+        # Only the last position of a row that reaches the end of its tokens needs logits (a row with k
+        # drafts: its last k + 1). The samples forking from a row (n>1) are extra rows of the same
+        # logits, each drawn with its own params and generator.
         ends = torch.tensor([r.num_new_tokens for r in rows]).cumsum(0) - 1
-        row_positions = [int(ends[i]) for i, r in enumerate(rows) for _ in r.samples]
-        specs = [spec for r in rows for spec in r.samples]
-        samples = None
+        row_positions = [int(ends[i]) - j for i, r in enumerate(rows) for _ in r.samples
+                         for j in range(r.num_draft_tokens, -1, -1)]
+        specs = [spec for r in rows for spec in r.samples for _ in range(r.num_draft_tokens + 1)]
+        samples, accepted = None, {}
         if specs:
             logits = self.model.compute_logits(hidden[torch.tensor(row_positions, dtype=torch.long, device=self.device)])
             samples = self.sampler(logits, [self._sample_row(s) for s in specs], self._grammar_mask(specs))
+            if batch.num_draft_tokens:
+                specs, samples, accepted = verify_drafts(rows, specs, samples)
         prompt_lp = self._prompt_logprobs(rows, hidden, ends)
         moved = 0.0 if timings is None else timings.device_to_host_s + timings.host_to_device_s + timings.remote_to_device_s
         return RunnerOutput(tuple(s.seq_id for s in specs), samples, prompt_lp, timings,
-                            time.perf_counter() - start - moved)
+                            time.perf_counter() - start - moved, accepted)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(input_ids.shape[0], attn):

@@ -93,7 +93,9 @@ class OutputProcessor:
                 self._append_prompt_logprobs(seq, result.prompt_logprobs[row.seq_id])
         touched: dict[str, RequestState] = {}
         for i, seq_id in enumerate(result.sampled_seq_ids):
-            seq = seqs[seq_id]
+            seq = seqs.get(seq_id)
+            if seq is None:  # finished by an earlier token of this step (accepted drafts after a stop)
+                continue
             state = self.requests[seq.request_id]
             if state.beam is not None:
                 state.beam.record(seq, result.samples.top_logprobs[i])

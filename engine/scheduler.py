@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from engine.inflight_prefixes import InflightPrefixes
 from engine.scheduler_output import PromptLogprobsSpec, SampleSpec, ScheduledRow, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative.drafter import Drafter
 from prefix_cache import BlockManager, KVTiers, NoFreeBlocksError, PrefixHit
 
 if TYPE_CHECKING:  # the runner's output type only: the scheduler never touches tensors
@@ -48,7 +49,8 @@ class Scheduler:
     def __init__(
         self, limits: SchedulerLimits, blocks: BlockManager, tiers: KVTiers, *,
         eos_token_ids: Seq[int] = (), preemption_mode: str = "recompute",
-        read_kv_blocks: Callable[[list[int]], list] | None = None,
+        read_kv_blocks: Callable[[list[int]], list] | None = None, drafter: Drafter | None = None,
+        max_model_len: int = 1 << 30,
     ) -> None:
         self.limits = limits
         self.blocks = blocks
@@ -62,6 +64,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.inflight = InflightPrefixes(blocks)
         self._finished_ids: list[str] = []  # told to the runner with the next output
+        self.drafter = drafter  # speculative decoding's draft tokens (None: off)
+        self.max_model_len = max_model_len
 
     # -- queues -----------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[int, ...]:
@@ -97,6 +101,8 @@ class Scheduler:
             self.blocks.free(seq.seq_id)
         self.tiers.drop_swap(seq.seq_id)
         self.inflight.forget(seq)
+        if self.drafter is not None:
+            self.drafter.finished(seq)
         if self.seqs.pop(seq.seq_id, None) is not None:
             self._finished_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
@@ -112,7 +118,8 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
 
-        # 1. Running sequences first, most important first: decodes and unfinished prefills.
+        # 1. Running sequences first, most important first: decodes (with their drafts) and unfinished prefills.
+        drafts = self._drafts(budget)
         scheduled: set[str] = set()
         for seq in list(self.running):
             if budget == 0:
@@ -122,11 +129,13 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' candidates
                 continue
-            grown = self._grow_or_preempt(seq, num_new, scheduled, preempted)
+            draft = drafts.get(seq.seq_id, ())[: budget - num_new]
+            grown = self._grow_or_preempt(seq, num_new + len(draft), scheduled, preempted)
             if grown is None:
                 continue
             copies.extend(grown)
-            rows.append(self._row(seq, num_new))
+            rows.append(self._row(seq, num_new, draft))
+            num_new += len(draft)
             scheduled.add(seq.seq_id)
             budget -= num_new
 
@@ -154,13 +163,24 @@ class Scheduler:
         return SchedulerOutput(tuple(rows), tuple(copies), tuple(s.seq_id for s in preempted),
                                self.tiers.take_transfers(), finished)
 
+    def _drafts(self, budget: int) -> dict[str, tuple[int, ...]]:
+        """Speculative decoding: the draft tokens of decoding sequences this step (none when off)."""
+        if self.drafter is None:
+            return {}
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        return self.drafter.draft_step(decoding, budget - len(decoding), self.max_model_len) if decoding else {}
+
     # -- after the forward ----------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:
         """The runner executed ``output``: every row's tokens now have KV. Advance progress, cache the
         newly full blocks, fork n>1 samples from their root, then close the step: copy sources and
-        tier pins released, the cost model fed, new blocks written through to Redis."""
+        tier pins released, the cost model fed, new blocks written through to Redis. A row's rejected
+        drafts leave nothing behind: progress stops after the accepted ones and blocks past them go back."""
         for row in output.rows:
             seq = self.seqs[row.seq_id]
+            if row.num_draft_tokens:
+                self._verified(seq, row, result.num_accepted[row.seq_id])
+                continue
             seq.num_computed_tokens = row.end
             self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if row.samples and seq.pending_forks:  # n>1: the prompt is computed, the samples fork now
@@ -170,6 +190,14 @@ class Scheduler:
                 seq.pending_forks = []
         self.tiers.record_step(result.forward_seconds, output.num_batched_tokens, result.transfer_timings)
         self.end_step(ok=True)
+
+    def _verified(self, seq: Sequence, row: ScheduledRow, accepted: int) -> None:
+        """KV is valid through the last accepted draft (the sample after it has none yet). The accepted
+        drafts are the model's own tokens, so their full blocks are cached; nothing after them is."""
+        seq.num_computed_tokens = row.end - row.num_draft_tokens + accepted
+        self.blocks.commit(seq.seq_id, seq.token_ids + list(row.draft_token_ids[:accepted]), seq.num_computed_tokens)
+        self.blocks.trim(seq.seq_id, seq.num_computed_tokens)
+        self.drafter.observe(seq.seq_id, row.num_draft_tokens, accepted)
 
     def end_step(self, ok: bool) -> None:
         """Close the step, run or failed: copy sources and tier pins are held only until the forward."""
@@ -185,14 +213,15 @@ class Scheduler:
             self.tiers.submit_writes(writes, self._read_kv_blocks([w.block_id for w in writes]))
 
     # -- rows -------------------------------------------------------------------------
-    def _row(self, seq: Sequence, num_new: int) -> ScheduledRow:
+    def _row(self, seq: Sequence, num_new: int, draft: tuple[int, ...] = ()) -> ScheduledRow:
         start = seq.num_computed_tokens
         end = start + num_new
         samples = ()
         if end == seq.num_tokens:  # the chunk reaches the last known token: its logits pick the next
             samples = tuple(self._sample_spec(s) for s in (seq, *seq.pending_forks))
-        return ScheduledRow(seq.seq_id, start, tuple(seq.token_ids[start:end]), tuple(self.blocks.block_ids(seq.seq_id)),
-                            samples, self._prompt_logprobs_spec(seq, start, end))
+        return ScheduledRow(seq.seq_id, start, tuple(seq.token_ids[start:end]) + draft,
+                            tuple(self.blocks.block_ids(seq.seq_id)), samples,
+                            self._prompt_logprobs_spec(seq, start, end), len(draft))
 
     def _sample_spec(self, seq: Sequence) -> SampleSpec:
         p = seq.params

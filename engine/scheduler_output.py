@@ -5,7 +5,8 @@ and which rows sample into how many samples, and builds its tensors from those a
 
     rows:  [ decode rows (1 new token) ............ | prefill chunks (>1 new tokens) ...... ]
            each row: seq_id, start (= num_computed_tokens), the new tokens, block_ids,
-                     samples drawn from its last position (root first, then the forks it makes)
+                     samples drawn from its last position (root first, then the forks it makes),
+                     or, for a row carrying draft tokens, from each of its last k + 1 positions
 """
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ class ScheduledRow:
     block_ids: tuple[int, ...]  # the sequence's block table (covers at least [0, end))
     samples: tuple[SampleSpec, ...] = ()  # empty: a prefill chunk that does not reach its last token
     prompt_logprobs: PromptLogprobsSpec | None = None
+    # Speculative decoding: the last num_draft_tokens of token_ids are guesses, not the sequence's tokens
+    # yet. The row samples at its last num_draft_tokens + 1 positions; the runner keeps the drafts that
+    # agree with those samples and the sample after them (engine/speculative/).
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
     @property
     def num_new_tokens(self) -> int:
@@ -68,6 +77,10 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(r.num_new_tokens for r in self.rows)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(r.num_draft_tokens for r in self.rows)
 
     @property
     def num_decode_rows(self) -> int:

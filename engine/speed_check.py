@@ -58,7 +58,7 @@ def check_speed(runner, dtype: torch.dtype, weight_bytes: int, cache_dir) -> Spe
         return None
     rates = machine_rates(dtype, cache_dir)
     decode_s, decode_ops = _timed(runner, _decode_batch(runner, tokens), 3)
-    prefill_s, prefill_ops = _timed(runner, _prefill_batch(runner, tokens), 2)
+    prefill_s, prefill_ops = _timed(runner, prefill_batch(runner, tokens), 2)
     flops_per_token = 2 * _linear_params(cfg)  # a multiply and an add per weight (attention is small here)
     report = SpeedReport(
         decode_s, weight_bytes / rates["memory_bytes_per_s"], prefill_s,
@@ -135,7 +135,7 @@ def _decode_batch(runner, context: int):
     return (torch.tensor([7], dtype=torch.long, device=dev), torch.tensor([context], dtype=torch.long, device=dev), attn)
 
 
-def _prefill_batch(runner, tokens: int):
+def prefill_batch(runner, tokens: int):
     bs, dev = runner.block_size, runner.device
     table = torch.arange(-(-tokens // bs), dtype=torch.int32, device=dev).view(1, -1)
     attn = AttentionMetadata(

@@ -381,6 +381,23 @@ class BlockManager:
             if anchor is not None:
                 pool.decref(anchor)
 
+    def trim(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Release the seq's blocks past those covering ``num_tokens`` (speculative decoding: blocks that
+        held only rejected drafts). They were never committed: nothing cached is dropped. Returns how many."""
+        st = self._seqs[seq_id]
+        keep = self._blocks_for(num_tokens)
+        if keep < st.num_committed:
+            raise ValueError("trim would drop committed blocks")
+        released = 0
+        while len(st.table) > keep:
+            pos = len(st.table) - 1
+            self._pool.decref(st.table.pop())
+            anchor = st.anchors.pop(pos, None)
+            if anchor is not None:
+                self._pool.decref(anchor)
+            released += 1
+        return released
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child shares the parent's whole block table (n>1 sampling, beams)."""
         if child_id in self._seqs:
