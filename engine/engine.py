@@ -230,11 +230,13 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block of the device pool and the host tier (not Redis: replicas share
         it), as vLLM's reset_prefix_cache: only while no request holds blocks; returns whether it
-        did. Subscribers to KV events get AllBlocksCleared."""
+        did. Subscribers to KV events get AllBlocksCleared; suffix drafts forget earlier requests."""
         if self.has_unfinished() or not self.blocks.reset_prefix_cache():
             return False
         if self.tiers.host is not None:
             self.tiers.host.clear_cached()
+        if self.drafter is not None:  # suffix drafts come from earlier requests: forgotten with them
+            self.drafter.forget_requests()
         self.kv_events.cleared()
         self.kv_events.publish()
         return True

@@ -130,6 +130,12 @@ class Drafter:
         if self.shared is not None and seq.index == 0:  # one sample of a request is enough to learn from
             self.shared.add(seq.cache_salt, seq.token_ids)
 
+    def forget_requests(self) -> None:
+        """Forget the finished requests drafts are taken from (with the prefix cache's reset)."""
+        if self.shared is not None:
+            cfg = self.config
+            self.shared = SharedIndex(self.key_len, cfg.suffix_decoding_max_cached_requests)
+
     def check_integrity(self, live_seq_ids: set[str]) -> None:
         assert set(self.own) <= live_seq_ids and set(self.acceptance) <= live_seq_ids, "state of a gone sequence"
         if self.shared is not None:
