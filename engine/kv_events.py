@@ -17,18 +17,18 @@ The publisher thread owns the sockets (ZMQ sockets are not thread-safe); the eng
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
 import msgspec
 
+from engine.config_json import from_keys, json_object
 from engine.errors import InvalidConfigError
 from prefix_cache.events import MEDIUM_CPU, MEDIUM_STORAGE, Cleared, KVEvent, KVEventLog, Removed, Stored
 
@@ -70,18 +70,7 @@ class KVEventsConfig:
         """From the JSON text of the flag, a dict, or itself; a clear error names unknown keys."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidConfigError(f"kv_events_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise InvalidConfigError("kv_events_config must be a JSON object.")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidConfigError(f"kv_events_config has unknown keys {unknown}; known: {sorted(known)}.")
-        return cls(**value)
+        return from_keys(cls, json_object(value, "kv_events_config"), "kv_events_config")
 
 
 # -- vLLM 0.32's wire types (vllm/distributed/kv_events.py) -------------------------------------

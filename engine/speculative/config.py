@@ -10,9 +10,9 @@ only), as SuffixDecoding (arXiv 2411.04975) does with its suffix trees.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from engine.config_json import from_keys, json_object
 from engine.errors import InvalidConfigError
 
 METHODS = ("ngram", "suffix")
@@ -66,22 +66,12 @@ class SpeculativeConfig:
         """From the JSON text of the flag, a dict, or itself; None, "" and {} mean off."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidConfigError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise InvalidConfigError("speculative_config must be a JSON object.")
+        if isinstance(value, str) and not value.strip():
+            return None
+        value = json_object(value, "speculative_config")
         if not value:
             return None
         if value.get("method", "ngram") not in METHODS:  # named first: a draft model's keys follow from it
             raise InvalidConfigError(f"speculative_config: method must be one of {METHODS} (draft models are "
                                      f"not served here), got {value.get('method')!r}.")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidConfigError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}.")
-        return cls(**value)
+        return from_keys(cls, value, "speculative_config")
