@@ -41,6 +41,8 @@ HELP = {
     "speculative_config": ("speculative", "JSON as vLLM's: {\"method\": \"ngram\" or \"suffix\", "
                                           "\"num_speculative_tokens\": 5, ...}: draft tokens from the context and "
                                           "earlier requests, verified in one forward (off by default)"),
+    "grammar_fast_forward": ("speculative", "structured outputs: tokens the grammar forces (a JSON schema's keys "
+                                            "and punctuation) appended without sampling"),
     "max_num_seqs": ("scheduler", "sequences in one step at most"),
     "max_num_batched_tokens": ("scheduler", "tokens in one step at most (prefill chunks beside decodes)"),
     "scheduling_policy": ("scheduler", "fcfs, or priority (a request's priority field; lower runs first)"),

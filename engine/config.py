@@ -60,6 +60,9 @@ class EngineConfig:
     # Draft-free speculative decoding (engine/speculative/): a SpeculativeConfig, its JSON text (the CLI
     # flag) or a dict, as vLLM's: {"method": "ngram" | "suffix", "num_speculative_tokens": k, ...}; None: off.
     speculative_config: SpeculativeConfig | str | dict | None = None
+    # Structured outputs: where the grammar allows only one continuation (a JSON schema's keys and
+    # punctuation), its tokens are appended without sampling and computed with the next row.
+    grammar_fast_forward: bool = True
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -120,7 +120,7 @@ class Engine:
         )
         self.outputs = OutputProcessor(
             self.scheduler, self.detokenizer, self.structured, tuple(self.model_config.eos_token_ids),
-            self.max_model_len,
+            self.max_model_len, fast_forward=config.grammar_fast_forward,
         )
         self._arrivals = itertools.count()
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
@@ -283,6 +283,7 @@ class Engine:
             "generation_tokens": self.outputs.counters.generation_tokens,
             "request_success": dict(self.outputs.counters.requests_finished),
             "iteration_tokens": self.outputs.counters.iteration_tokens.snapshot(),
+            "grammar_fast_forward_tokens": self.outputs.counters.fast_forward_tokens,
             **tier_stats(self.tiers),
             **(self.drafter.counters.snapshot() if self.drafter is not None else {}),
         }

@@ -108,6 +108,11 @@ class TokenReserve:
         elif self._unit_tokens is not None:
             self.last_unit, self._unit_tokens = self._unit_tokens + 1, None
 
+    @property
+    def closing(self) -> bool:
+        """Walking a closing path (its tokens, in its own tokenization, are what comes next)."""
+        return self.walk is not None
+
     def forced_token(self, matcher, closers: Closers) -> int | None:
         """The token this sequence must take next, or None to let the grammar's mask decide."""
         if self.walk is not None:

@@ -50,6 +50,7 @@ class EngineCounters:
     generation_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count ("abort" too)
     iteration_tokens: StepHistogram = field(default_factory=StepHistogram)  # tokens scheduled per step
+    fast_forward_tokens: int = 0  # output tokens a grammar forced (appended without sampling)
 
 
 class OutputProcessor:
@@ -58,13 +59,14 @@ class OutputProcessor:
 
     def __init__(
         self, scheduler: Scheduler, detokenizer: Detokenizer, structured: StructuredOutputManager,
-        eos_token_ids: tuple[int, ...], max_model_len: int,
+        eos_token_ids: tuple[int, ...], max_model_len: int, fast_forward: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.detokenizer = detokenizer
         self.structured = structured
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.fast_forward = fast_forward  # grammar fast-forward (engine/structured_output.py)
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
         self._beam_ids = itertools.count(1)
@@ -134,9 +136,6 @@ class OutputProcessor:
     # -- tokens -----------------------------------------------------------------------------
     def _append_token(self, seq: Sequence, row: int, samples: SampleResult) -> None:
         token = samples.token_ids[row]
-        previous_len = len(seq.text)
-        seq.token_ids.append(token)
-        self.counters.generation_tokens += 1
         if seq.logprobs is not None:
             seq.cumulative_logprob += samples.logprobs[row]
             entry = {tid: Logprob(lp, rank + 1, self.detokenizer.decode_token(tid))
@@ -144,6 +143,27 @@ class OutputProcessor:
             entry.setdefault(token, Logprob(samples.logprobs[row], samples.ranks[row],
                                             self.detokenizer.decode_token(token)))
             seq.logprobs.append(entry)
+        self._add_token(seq, token)
+        if self.fast_forward and seq.params.structured_outputs is not None and seq.logprobs is None:
+            self._fast_forward(seq)
+
+    def _fast_forward(self, seq: Sequence) -> None:
+        """Grammar fast-forward: tokens the grammar forces are appended without sampling; the next step
+        computes them with the sequence's row (they need no verification). Not with logprobs (a forced
+        token has no sampled logprob to report)."""
+        p = seq.params
+        limit = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        for token in self.structured.fast_forward(seq.seq_id, limit):
+            if seq.is_finished:
+                break
+            self.counters.fast_forward_tokens += 1
+            self._add_token(seq, token)
+
+    def _add_token(self, seq: Sequence, token: int) -> None:
+        """Append one output token (sampled or forced) and finish the sequence where it must stop."""
+        previous_len = len(seq.text)
+        seq.token_ids.append(token)
+        self.counters.generation_tokens += 1
         p = seq.params
         stop = self.detokenizer.update(seq, previous_len)
         grammar_done = p.structured_outputs is not None and self.structured.accept(seq.seq_id, token)

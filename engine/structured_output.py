@@ -7,7 +7,9 @@ state over token ids). Every step:
     matchers of the rows to sample  --grammar_mask-->  [k, ceil(V/32)] int32 bitmask (Rust, no GIL)
     sampler: raw logprobs, then logits[row, token] = -inf where the bit is 0, then choose
     engine:  accept(seq_id, token) advances the matcher; a matcher that can take nothing but EOS
-             finishes its sequence with finish_reason "stop"
+             finishes its sequence with finish_reason "stop"; where the grammar then allows only one
+             continuation, fast_forward() gives its tokens, appended without sampling and computed
+             with the sequence's next row (grammar fast-forward: keys and punctuation of a schema)
 
 EOS is allowed only when the grammar is complete (llguidance's mask only has EOS bits then).
 Outputs end cleanly: JSON schemas get bounded numbers before they compile (engine/json_schemas.py),
@@ -232,6 +234,16 @@ class StructuredOutputManager:
                                                                 matcher.is_accepting()):
             return True
         return matcher.is_stopped()
+
+    def fast_forward(self, seq_id: str, limit: int) -> list[int]:
+        """The tokens the grammar allows as the only continuation now (llguidance's fast-forward tokens, in
+        its canonical tokenization), at most ``limit``; not consumed (``accept`` each). None while the token
+        reserve walks its closing path (the same text, but in the walk's own tokens). Forced text is what any
+        closing path takes too, so forcing it never costs the reserve its way out."""
+        state = self._seqs.get(seq_id)
+        if state is None or limit <= 0 or state.reserve.closing or state.matcher.is_stopped():
+            return []
+        return list(state.matcher.compute_ff_tokens()[:limit])
 
     # -- the mask -------------------------------------------------------------------------
     def grammar_mask(self, seq_ids: Sequence[str | None]) -> GrammarMask | None:

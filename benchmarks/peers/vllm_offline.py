@@ -5,10 +5,12 @@ benchmarks/_vllm.py, which writes the spec and reads the results.
     python vllm_offline.py SPEC.json RESULT.json
 
 SPEC: {"model": folder, "dtype": "float32"|"bfloat16", "max_model_len": int, "max_num_seqs": int,
+       "speculative_config": vLLM's dict or absent,
        "jobs": [{"name", "kind": "generate"|"beam"|"ttft", "prompt_sets": [[[ids]]], "params": {...}}]}
   Each job runs once per prompt set (fresh token ids each time, so no run reads an earlier run's
   prefix from the cache); the median of those runs is reported.
-  generate: llm.generate(all prompts at once, SamplingParams(**params)); the wall time of the call
+  generate: llm.generate(all prompts at once, or "concurrency" at a time, SamplingParams(**params)); the
+            wall time of the calls ("reset_prefix_cache": true resets it first)
   beam:     llm.beam_search(prompts, BeamSearchParams(**params))
   ttft:     prompts are (cold, cached) pairs sharing a prefix: each is timed alone with max_tokens=1
 RESULT: {"startup_s", "vllm_version", "jobs": {name: {"runs_s", "seconds" (median), "token_ids"}}}
@@ -28,8 +30,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import BeamSearchParams
 
+    extra = {"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-              max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=True, seed=0)
+              max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=True, seed=0, **extra)
     # Warm-up: the first calls pay one-off costs that belong to no workload.
     llm.generate([{"prompt_token_ids": [100 + i for i in range(16)]}], SamplingParams(max_tokens=4), use_tqdm=False)
     startup = time.perf_counter() - t0
@@ -55,8 +58,13 @@ def main() -> None:
                     runs.append(times)
             else:
                 params = SamplingParams(**job["params"])
+                step = job.get("concurrency") or len(prompts)  # requests in flight at once
+                if job.get("reset_prefix_cache"):
+                    llm.reset_prefix_cache()
                 t = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                outs = []
+                for i in range(0, len(prompts), step):
+                    outs += llm.generate(prompts[i:i + step], params, use_tqdm=False)
                 runs.append(time.perf_counter() - t)
                 token_ids = [list(c.token_ids) for o in outs for c in o.outputs]
         if job["kind"] == "ttft":
