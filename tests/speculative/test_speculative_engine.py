@@ -155,3 +155,18 @@ def test_engine_config_takes_the_flag_json():
     assert c.speculative_config.method == "suffix" and c.speculative_config.suffix_decoding_max_cached_requests == 5
     with pytest.raises(InvalidConfigError):
         EngineConfig(speculative_config=[1, 2])
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_drafts_gives_the_same_tokens(copying, mode):
+    """A pool too small for every sequence at once: sequences with drafts in flight are preempted and
+    resumed (recomputed or swapped back), and still give the tokens of decoding one at a time."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = [p + f" {i}" for i, p in enumerate(PROMPTS * 2)]
+    swap = {"host_kv_cache_memory": 1 << 22} if mode == "swap" else {}
+    plain = _run_checked(_llm(copying, num_kv_blocks=256), prompts, params)
+    llm = _llm(copying, {"method": "ngram"}, num_kv_blocks=24, preemption_mode=mode, **swap)
+    spec = _run_checked(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
