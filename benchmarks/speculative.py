@@ -283,12 +283,36 @@ def run_agent(spec, concurrency: int, model_flags: list[str]) -> dict:
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
+def run_versus_workloads(folder: str, vocab: int) -> None:
+    """Speculation must not cost the workloads with nothing to copy: versus_vllm's jobs, each mode twice,
+    interleaved; the lesser median of each."""
+    from benchmarks._peer_jobs import make_jobs, run_ours
+
+    jobs = make_jobs(vocab, beam_repeats=3)
+    times: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}
+    for _ in range(2):
+        for mode, spec in MODES.items():
+            out = run_ours(folder, "float32", jobs, {"speculative_config": spec})["jobs"]
+            for name, job in out.items():
+                times[mode].setdefault(name, []).append(job["seconds"])
+    best = {mode: {name: min(t) for name, t in by.items()} for mode, by in times.items()}
+    ratios = {mode: {name: best[mode][name] / best["off"][name] for name in best["off"]} for mode in ("ngram", "suffix")}
+    write_json("speculative_versus_workloads", {"seconds": best, "runs_s": times, "time_x_off": ratios})
+    worst = max(v for r in ratios.values() for v in r.values())
+    print("speculative on versus_vllm's workloads (float32, time x speculation off): "
+          + "; ".join(f"{mode} " + ", ".join(f"{n} {v:.2f}" for n, v in r.items()) for mode, r in ratios.items())
+          + f"; worst {worst:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--guard", action="store_true", help="also the random-token never-slower guard")
     ap.add_argument("--agent-only", action="store_true", help="only the agent loop (through the server)")
+    ap.add_argument("--versus-workloads", action="store_true",
+                    help="only versus_vllm's workloads (random tokens: GSP, unique, n=8, beam, TTFT, single stream) "
+                         "with speculation off / ngram / suffix, float32, 2 interleaved rounds")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -299,6 +323,9 @@ def main() -> None:
     prompts = workloads(tokenizer)
     ids = {w: [tokenizer(p, add_special_tokens=False).input_ids for p in ps] for w, ps in prompts.items()}
     results: dict = {}
+    if args.versus_workloads:
+        run_versus_workloads(folder, tokenizer.vocab_size)
+        return
     if args.agent_only:
         agent = {}
         for mode, spec in MODES.items():

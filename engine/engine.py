@@ -109,7 +109,8 @@ class Engine:
         logger.info("start-up in %.1f s: %s", time.perf_counter() - started,
                     ", ".join(f"{name} {s:.1f} s" for name, s in stages.items() if s >= 0.05))
         # Speculative decoding: drafts sized by this machine's measured step cost (before any request).
-        self.drafter = build_drafter(config.speculative_config, self.runner, parallel=self.workers is not None)
+        self.drafter = build_drafter(config.speculative_config, self.runner, parallel=self.workers is not None,
+                                     grammar_check=self.structured.valid_drafts)
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
         self.scheduler = Scheduler(

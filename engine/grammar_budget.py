@@ -108,6 +108,14 @@ class TokenReserve:
         elif self._unit_tokens is not None:
             self.last_unit, self._unit_tokens = self._unit_tokens + 1, None
 
+    def tokens_before_closing(self) -> int | None:
+        """Tokens the sequence can take before the reserve may start steering it (None: no budget)."""
+        if self.walk is not None:
+            return 0
+        if self.left is None:
+            return None
+        return self.left - max(MAX_CLOSING_TOKENS, self.last_unit) - CLOSING_MARGIN
+
     @property
     def closing(self) -> bool:
         """Walking a closing path (its tokens, in its own tokenization, are what comes next)."""

@@ -135,10 +135,11 @@ class ModelRunner:
         row_positions = [int(ends[i]) - j for i, r in enumerate(rows) for _ in r.samples
                          for j in range(r.num_draft_tokens, -1, -1)]
         specs = [spec for r in rows for spec in r.samples for _ in range(r.num_draft_tokens + 1)]
+        drafted = [r.draft_token_ids[:j] for r in rows for _ in r.samples for j in range(r.num_draft_tokens + 1)]
         samples, accepted = None, {}
         if specs:
             logits = self.model.compute_logits(hidden[torch.tensor(row_positions, dtype=torch.long, device=self.device)])
-            samples = self.sampler(logits, [self._sample_row(s) for s in specs], self._grammar_mask(specs))
+            samples = self.sampler(logits, [self._sample_row(s) for s in specs], self._grammar_mask(specs, drafted))
             if batch.num_draft_tokens:
                 specs, samples, accepted = verify_drafts(rows, specs, samples)
         prompt_lp = self._prompt_logprobs(rows, hidden, ends)
@@ -201,10 +202,12 @@ class ModelRunner:
         return SampleRow(p, spec.history, spec.num_prompt_tokens, generator, spec.banned_token_ids,
                          spec.num_top_logprobs)
 
-    def _grammar_mask(self, specs: list[SampleSpec]) -> GrammarMask | None:
+    def _grammar_mask(self, specs: list[SampleSpec], drafted: list[tuple[int, ...]]) -> GrammarMask | None:
+        """``drafted``: per row, the draft tokens before its position (a row with k drafts is sampled at k + 1
+        positions; position j's mask is the grammar's after the first j drafts)."""
         if self.structured is None or all(s.params.structured_outputs is None for s in specs):
             return None  # the common case costs one attribute check per row
-        return self.structured.grammar_mask([s.seq_id for s in specs])
+        return self.structured.grammar_mask([s.seq_id for s in specs], drafted)
 
     def _prompt_logprobs(
         self, rows: tuple[ScheduledRow, ...], hidden: torch.Tensor, ends: torch.Tensor

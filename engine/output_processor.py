@@ -94,6 +94,7 @@ class OutputProcessor:
             if row.seq_id in result.prompt_logprobs:
                 self._append_prompt_logprobs(seq, result.prompt_logprobs[row.seq_id])
         touched: dict[str, RequestState] = {}
+        constrained: dict[str, Sequence] = {}  # sequences whose grammar may force what comes next
         for i, seq_id in enumerate(result.sampled_seq_ids):
             seq = seqs.get(seq_id)
             if seq is None:  # finished by an earlier token of this step (accepted drafts after a stop)
@@ -103,9 +104,14 @@ class OutputProcessor:
                 state.beam.record(seq, result.samples.top_logprobs[i])
             else:
                 self._append_token(seq, i, result.samples)
+                if self.fast_forward and seq.params.structured_outputs is not None and seq.logprobs is None:
+                    constrained[seq_id] = seq
             state.first_token_time = state.first_token_time or now
             state.last_token_time = now
             touched[state.request_id] = state
+        for seq in constrained.values():  # after the step's last token of each (a row may emit several)
+            if not seq.is_finished:
+                self._fast_forward(seq)
         outputs = []
         for state in touched.values():
             if state.beam is not None:
@@ -144,8 +150,6 @@ class OutputProcessor:
                                             self.detokenizer.decode_token(token)))
             seq.logprobs.append(entry)
         self._add_token(seq, token)
-        if self.fast_forward and seq.params.structured_outputs is not None and seq.logprobs is None:
-            self._fast_forward(seq)
 
     def _fast_forward(self, seq: Sequence) -> None:
         """Grammar fast-forward: tokens the grammar forces are appended without sampling; the next step

@@ -246,9 +246,23 @@ class StructuredOutputManager:
         return list(state.matcher.compute_ff_tokens()[:limit])
 
     # -- the mask -------------------------------------------------------------------------
-    def grammar_mask(self, seq_ids: Sequence[str | None]) -> GrammarMask | None:
+    def valid_drafts(self, seq_id: str, drafts: Sequence[int]) -> int:
+        """How many of ``drafts`` the sequence's grammar accepts from its state now (speculative decoding
+        verifies only those); 0 while its token reserve may have to steer it to a close."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return len(drafts)
+        room = state.reserve.tokens_before_closing()
+        if room is not None and room <= len(drafts) + 1:  # the drafts and the sample after them
+            return 0
+        return state.matcher.validate_tokens(list(drafts))
+
+    def grammar_mask(self, seq_ids: Sequence[str | None],
+                     drafted: Sequence[Sequence[int]] | None = None) -> GrammarMask | None:
         """Masks for the rows whose sequence holds a matcher (None entries and others: unconstrained).
-        A row whose token reserve is closing gets exactly its next closing token."""
+        A row whose token reserve is closing gets exactly its next closing token. ``drafted`` (speculative
+        decoding): per row, draft tokens to take first -- its mask is the grammar's after them (then rolled
+        back: drafts are not the sequence's tokens until they are verified)."""
         rows = [i for i, seq_id in enumerate(seq_ids) if seq_id is not None and seq_id in self._seqs]
         if not rows:
             return None
@@ -257,6 +271,13 @@ class StructuredOutputManager:
         matchers = []
         for k, row in enumerate(rows):
             state = self._seqs[seq_ids[row]]
+            ahead = list(drafted[row]) if drafted is not None else []
+            if ahead:  # one at a time: the matcher is advanced over the drafts, then put back
+                if not state.matcher.consume_tokens(ahead):
+                    raise RuntimeError(f"{seq_ids[row]}: drafts the grammar had validated were refused")
+                state.matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), words * 4)
+                state.matcher.rollback(len(ahead))
+                continue
             forced = state.reserve.forced_token(state.matcher, self._closers())
             if forced is None:
                 matchers.append((state.matcher, k))

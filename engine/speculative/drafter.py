@@ -6,14 +6,17 @@ verification.
     finished(seq)                                     a finished request's tokens join the shared index
 
 A sequence drafts only where nothing makes its next token depend on the drafts' own choices (no
-penalties, no min_tokens still to reach, no grammar: their logits processors read the tokens before each
-position) and nothing asks for one token a step (beam search). Its drafts pause, for twice as long each
+penalties, no min_tokens still to reach: their logits processors read the tokens before each position)
+and nothing asks for one token a step (beam search). Under a grammar (structured outputs, tool calls) the
+drafts are cut to what the grammar accepts, and each verified position is masked by the grammar's state
+after the drafts before it. Its drafts pause, for twice as long each
 time, while they are mostly rejected; the step verifies only the drafts its measured cost says pay
 (engine/speculative/cost.py).
 """
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
@@ -47,8 +50,10 @@ class _Acceptance:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, cost: StepCost) -> None:
+    def __init__(self, config: SpeculativeConfig, cost: StepCost,
+                 grammar_check: Callable[[str, tuple[int, ...]], int] | None = None) -> None:
         self.config, self.cost = config, cost
+        self.grammar_check = grammar_check  # (seq_id, drafts) -> how many the sequence's grammar accepts
         key_len = config.prompt_lookup_min if config.method == "ngram" else SUFFIX_KEY_LEN
         self.key_len = key_len
         self.own: dict[str, SequenceIndex] = {}
@@ -85,8 +90,9 @@ class Drafter:
 
     def _propose(self, seq: Sequence, max_model_len: int) -> tuple[int, ...]:
         p = seq.params
-        if (p.use_beam_search or p.needs_penalties or p.structured_outputs is not None
-                or seq.num_output_tokens < p.min_tokens or seq.num_computed_tokens != seq.num_tokens - 1):
+        if (p.use_beam_search or p.needs_penalties or seq.num_output_tokens < p.min_tokens
+                or seq.num_computed_tokens != seq.num_tokens - 1
+                or (p.structured_outputs is not None and self.grammar_check is None)):
             return ()
         state = self.acceptance.setdefault(seq.seq_id, _Acceptance())
         if state.shadow is not None and seq.num_tokens > state.shadow[0]:
@@ -105,12 +111,17 @@ class Drafter:
         if index is None:
             index = self.own[seq.seq_id] = SequenceIndex(self.key_len)
         if self.config.method == "ngram":
-            return _ngram_draft(index.candidates(seq.token_ids, self.config.prompt_lookup_max), room)
-        cfg = self.config
-        depth = cfg.suffix_decoding_max_tree_depth
-        matches = index.candidates(seq.token_ids, depth)
-        matches += self.shared.candidates(seq.cache_salt, seq.token_ids, depth)
-        return _suffix_draft(matches, room, cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
+            drafts = _ngram_draft(index.candidates(seq.token_ids, self.config.prompt_lookup_max), room)
+        else:
+            cfg = self.config
+            depth = cfg.suffix_decoding_max_tree_depth
+            matches = index.candidates(seq.token_ids, depth)
+            matches += self.shared.candidates(seq.cache_salt, seq.token_ids, depth)
+            drafts = _suffix_draft(matches, room, cfg.suffix_decoding_max_spec_factor,
+                                   cfg.suffix_decoding_min_token_prob)
+        if drafts and p.structured_outputs is not None:  # only what the grammar accepts is worth verifying
+            drafts = drafts[: self.grammar_check(seq.seq_id, drafts)]
+        return drafts
 
     # -- learning ---------------------------------------------------------------------------
     def observe(self, seq_id: str, num_drafted: int, num_accepted: int) -> None:

@@ -52,3 +52,23 @@ def test_a_json_schema_forces_its_keys_and_stays_valid(tiny_model_factory):
     assert forced >= 3  # at least the keys after the first: `"age": ` and `"city": ` need no sampling
     assert steps <= len(out.token_ids) - forced + 2  # forced tokens took no step of their own
     assert llm.kv_cache_usage()["num_in_use"] == 0
+
+
+def test_drafts_under_a_grammar_are_cut_to_what_it_accepts_and_masked_per_position(tiny_model_factory):
+    """Speculation with structured outputs: drafts are validated by the grammar, each verified position is
+    masked by the grammar's state after the drafts before it, and the output is exactly that of decoding
+    without speculation (fast-forward off on both sides, so tokens line up one for one)."""
+    path = tiny_model_factory("llama", tie_word_embeddings=True, init_std=0.1)  # half copies its context
+    regex = r"(red|green|blue)( (red|green|blue)){10,30}"
+    params = SamplingParams(temperature=0, max_tokens=300,
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    prompt = "red green blue red green blue red green blue red green"
+    plain = LLM(model=str(path), num_kv_blocks=128, grammar_fast_forward=False)
+    spec = LLM(model=str(path), num_kv_blocks=128, grammar_fast_forward=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    a, _ = _steps(plain, prompt, params)
+    b, steps = _steps(spec, prompt, params)
+    assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
+    stats = spec.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert steps < len(b.token_ids)
