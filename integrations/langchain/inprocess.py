@@ -10,8 +10,8 @@ Three ways in, one contract out (see _types.py):
   stops on close. Do not call `llm.generate` while the chat model is in use (one engine, one driver).
 * `model="name-or-path"`: the process's shared AsyncEngine for `EngineConfig(model=...,
   **engine_kwargs)` (shared_engines.py), built on first use; every chat model with the same model and
-  engine settings uses the same engine and prefix cache, and the last one to close (or be garbage
-  collected) shuts it down. A per-call `model=` naming another model leases that model's engine.
+  engine settings uses the same engine and prefix cache; when the last one closes (or is garbage
+  collected) the engine stays up, idle, for the registry's idle timeout. A per-call `model=` naming another model leases that model's engine.
 
 Prompts are rendered by the engine's tool layer (`ToolChat`): the model's chat template, tools
 described in its native format or in a system-prompt section, and a grammar constraint that makes a

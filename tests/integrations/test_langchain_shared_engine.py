@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,8 +40,67 @@ def test_chat_models_with_other_call_settings_lease_one_engine(tiny_model_factor
     assert shared_engines().num_users(config) == 1 and engine.is_running
     del b  # dropped without close(): collecting it releases its lease, the last one
     gc.collect()
-    assert shared_engines().num_users(config) == 0 and not engine.is_running
+    # Idle, not gone: a chat model built again (in a function, per request) finds it and its prefix cache.
+    assert shared_engines().num_users(config) == 0 and engine.is_running and shared_engines().is_held(config)
+    again = ChatPrefixServe(model=path, engine_kwargs=kwargs, max_tokens=3, temperature=0)
+    again.invoke("Hello")
+    assert again._get_backend()._default.engine is engine
+    again.close()
     other.close()
+    assert shared_engines().close_idle() >= 2 and not engine.is_running and not shared_engines().is_held(config)
+
+
+def test_an_idle_engine_stops_after_its_timeout(tiny_model_factory):
+    from integrations.langchain.shared_engines import SharedEngines
+
+    registry = SharedEngines(idle_timeout_s=0.2)
+    config = EngineConfig(model=str(tiny_model_factory("llama")), num_kv_blocks=32, max_model_len=128)
+    lease = registry.acquire(config)
+    engine = lease.engine
+    lease.release()
+    lease.release()  # idempotent
+    assert engine.is_running and registry.is_held(config)
+    again = registry.acquire(config)  # within the timeout: the same engine, its timer cancelled
+    assert again.engine is engine
+    again.release()
+    deadline = time.monotonic() + 10
+    while (registry.is_held(config) or engine.is_running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not registry.is_held(config) and not engine.is_running
+
+
+_CHAT_PER_CALL = r"""
+import time
+from integrations.langchain import ChatPrefixServe
+
+PATH = {path!r}
+system = "You are a concise assistant for a hardware store. " * 12
+
+def ask(question):
+    chat = ChatPrefixServe(model=PATH, engine_kwargs=dict(num_kv_blocks=64, max_model_len=512), max_tokens=4,
+                           temperature=0)
+    reply = chat.invoke([("system", system), ("human", question)])
+    return reply.usage_metadata["input_token_details"].get("cache_read", 0)
+
+first = ask("Do you sell hammers?")
+t0 = time.perf_counter()
+second = ask("Do you sell nails?")
+print("CACHE", first, second, round(time.perf_counter() - t0, 2))
+"""
+
+
+def test_a_chat_model_built_per_call_reuses_the_engine_and_exits_quietly(tiny_model_factory):
+    """The common pattern: a chat model built inside a function for each call. The second call finds the
+    first one's engine and reads the shared system prompt from its cache, and the process exits without a
+    traceback."""
+    script = _CHAT_PER_CALL.format(path=str(tiny_model_factory("llama")))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("CACHE"))
+    _, first, second, seconds = line.split()
+    assert int(first) == 0 and int(second) > 100 and float(seconds) < 5
+    assert "Traceback" not in proc.stderr and "RuntimeError" not in proc.stderr, proc.stderr[-3000:]
 
 
 # Run in a fresh interpreter so that the RSS figures are this scenario's alone.
