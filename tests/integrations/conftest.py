@@ -27,3 +27,13 @@ def lc_server_url(lc_engine):
 
     with run_uvicorn(create_app(lc_engine, served_model_names=list(SERVED_NAMES))) as url:
         yield f"{url}/v1"
+
+
+@pytest.fixture(autouse=True)
+def _no_idle_engines_between_tests():
+    """Engines a test leased and released stay up, idle (shared_engines.py): stop them after each test, so
+    a worker's memory holds what its current test uses, not every engine an earlier one built."""
+    yield
+    from integrations.langchain.shared_engines import shared_engines
+
+    shared_engines().close_idle()
