@@ -15,8 +15,10 @@ def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         return
     header = connection.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+    if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+        token = connection.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
         raise OpenAIError(
-            401, "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
+            401, "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
             headers={"WWW-Authenticate": "Bearer"},
         )

@@ -87,9 +87,23 @@ def from_exception(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"Internal server error: {type(exc).__name__}: {exc}")
 
 
-def error_response(error: OpenAIError) -> Response:
+# Anthropic's error types by status (the Messages API's routes answer in its shape).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_body(error: OpenAIError) -> dict[str, Any]:
+    """`{"type": "error", "error": {"type", "message"}}`, as Anthropic's API and its SDK expect."""
+    kind = _ANTHROPIC_TYPES.get(error.status_code, "api_error" if error.status_code >= 500 else "invalid_request_error")
+    message = f"{error.param}: {error.message}" if error.param and error.param not in error.message else error.message
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(error: OpenAIError, anthropic: bool = False) -> Response:
     return Response(
-        content=msgspec.json.encode(error.body()),
+        content=msgspec.json.encode(anthropic_body(error) if anthropic else error.body()),
         status_code=error.status_code,
         media_type="application/json",
         headers=dict(error.headers or {}),
@@ -105,7 +119,7 @@ def handle_exception(request: Request, exc: Exception) -> Response:
     elif error.status_code >= 500:
         logger.error("%s %s failed: %s", request.method, request.url.path, error.message,
                      exc_info=not isinstance(exc, (HTTPException, EngineDeadError)))
-    return error_response(error)
+    return error_response(error, anthropic=request.url.path.startswith(ANTHROPIC_PATHS))
 
 
 def sse_error(exc: BaseException) -> bytes:

@@ -74,12 +74,12 @@ def _json(schema: dict[str, Any]) -> dict[str, OpenAPIMediaType]:
     return {"application/json": OpenAPIMediaType(schema=schema)}  # type: ignore[arg-type]
 
 
-def _error(status: int) -> OpenAPIResponse:
+def _error(status: int, body: type | None = None) -> OpenAPIResponse:
     headers = None
     if status in _RETRY_AFTER:
         headers = {"Retry-After": OpenAPIHeader(schema={"type": "string"},  # type: ignore[arg-type]
                                                 description="Seconds to wait before retrying.")}
-    return OpenAPIResponse(description=ERROR_DESCRIPTIONS[status], content=_json(request_schema(ErrorResponse)),
+    return OpenAPIResponse(description=ERROR_DESCRIPTIONS[status], content=_json(request_schema(body or ErrorResponse)),
                            headers=headers)
 
 
@@ -111,7 +111,7 @@ def _ok(response: type | None, stream: type | None, media_type: str | None, desc
 
 def api_operation(request: type | None = None, response: type | None = None, *, stream: type | None = None,
                   media_type: str | None = None, errors: Iterable[int] = (), ok: str = "OK",
-                  examples: dict[str, dict] | None = None) -> type[Operation]:
+                  examples: dict[str, dict] | None = None, error_body: type | None = None) -> type[Operation]:
     """An Operation class documenting the request body (`request`'s schema, with `examples` of it by
     name; the handler reads the raw body), the 200 response (`response` as JSON, `stream` chunks as
     SSE, or a `media_type` text body) and each status in `errors` with the OpenAI error body."""
@@ -123,7 +123,7 @@ def api_operation(request: type | None = None, response: type | None = None, *, 
                                                     for name, value in examples.items()}
         request_body = RequestBody(content=content, required=True)
     responses = {"200": _ok(response, stream, media_type, ok)}
-    responses.update({str(status): _error(status) for status in sorted(errors)})
+    responses.update({str(status): _error(status, error_body) for status in sorted(errors)})
     # Routes that can answer 401 take the --api-key as a bearer token; `{}`: none when the server has no key.
     security = [{"bearer": []}, {}] if "401" in responses else None
     name = "".join(t.__name__ for t in (request, response) if t is not None) or "Plain"
