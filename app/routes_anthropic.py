@@ -63,12 +63,7 @@ async def create_message(request: Request) -> Response:
     if req.stream:
         return sse_response(guarded_stream(_events(run, message_id, model, prepared), run, done=None,
                                            error=_stream_error), run)
-    try:
-        [out] = await run.final_outputs(request)
-    finally:
-        await run.close()
-    choice = out.outputs[0]
-    check_aborted(choice)
+    out, choice = await run.final_choice(request)
     parsed = prepared.parse(choice.text)
     content: list[dict[str, Any]] = []
     if parsed.content:

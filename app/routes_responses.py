@@ -28,7 +28,7 @@ from app.responses_protocol import DeletedResponse, ResponseObject, ResponsesReq
 from app.responses_store import ResponseStore
 from app.responses_stream import EventWriter, response_events
 from app.serving import (
-    Run, check_aborted, finish_reason, guarded_stream, json_response, prepare_chat, sse_response,
+    Run, finish_reason, guarded_stream, json_response, prepare_chat, sse_response,
 )
 from app.state import ServerState
 from engine import openai_compat
@@ -86,12 +86,7 @@ async def create_response(request: Request) -> Response:
         body = guarded_stream(response_events(run, base, prepared, event, finished), run, done=None,
                               error=event.error)
         return sse_response(body, run)
-    try:
-        [out] = await run.final_outputs(request)
-    finally:
-        await run.close()
-    choice = out.outputs[0]
-    check_aborted(choice)
+    out, choice = await run.final_choice(request)
     reason = finish_reason(choice)
     status, _ = status_of(reason)
     response = finished_response(base, output_items(prepared.parse(choice.text), status), reason,

@@ -215,6 +215,16 @@ class Run:
             raise OpenAIError(503, "The request was aborted before it finished.", headers={"Retry-After": "1"})
         return finals  # type: ignore[return-value]
 
+    async def final_choice(self, request: Request | None) -> tuple[RequestOutput, CompletionOutput]:
+        """One prompt, one choice: run it to completion, close the run, and return its output and that choice
+        (an aborted choice is a 503)."""
+        try:
+            [out] = await self.final_outputs(request)
+        finally:
+            await self.close()
+        check_aborted(out.outputs[0])
+        return out, out.outputs[0]
+
 
 async def _wait_for_disconnect(request: Request) -> None:
     while True:
