@@ -18,7 +18,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_tiers import KVMover
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import SampleResult, SampleRow, Sampler
+from engine.sampler import SampleResult, SampleRow, Sampler, seeded_race_key
 from engine.scheduler_output import SampleSpec, ScheduledRow, SchedulerOutput
 from engine.speculative.verify import verify_drafts
 from engine.structured_output import GrammarMask, StructuredOutputManager
@@ -99,7 +99,6 @@ class ModelRunner:
         model.bind_ops(ops)  # the backend's ops, bound once: the one forward calls only these
         self.stage_seconds["weights packed (kernels chosen)"] = time.perf_counter() - t0
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
-        self._generators: dict[str, torch.Generator] = {}
         t0 = time.perf_counter()
         self.graphs = self._capture_graphs(cuda_graph_sizes, max_blocks_per_seq) if cuda_graph_sizes else None
         if self.graphs is not None:
@@ -116,8 +115,6 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """Run one step: tier moves, block copies, the forward over every row, sampling."""
         start = time.perf_counter()
-        for seq_id in batch.finished_seq_ids:
-            self._generators.pop(seq_id, None)
         # Tier moves first: a block demoted this step may be a copy target or get new KV below.
         timings = self.kv_mover.apply(batch.transfers) if batch.transfers else None
         if batch.copies:
@@ -139,7 +136,9 @@ class ModelRunner:
         samples, accepted = None, {}
         if specs:
             logits = self.model.compute_logits(hidden[torch.tensor(row_positions, dtype=torch.long, device=self.device)])
-            samples = self.sampler(logits, [self._sample_row(s) for s in specs], self._grammar_mask(specs, drafted))
+            offsets = [j for r in rows for _ in r.samples for j in range(r.num_draft_tokens + 1)]
+            samples = self.sampler(logits, [self._sample_row(s, j) for s, j in zip(specs, offsets)],
+                                   self._grammar_mask(specs, drafted))
             if batch.num_draft_tokens:
                 specs, samples, accepted = verify_drafts(rows, specs, samples)
         prompt_lp = self._prompt_logprobs(rows, hidden, ends)
@@ -165,16 +164,20 @@ class ModelRunner:
                 slots.append(r.block_ids[p // bs] * bs + p % bs)
             pos.extend(range(r.start, r.end))
         decodes, prefills = rows[:num_decodes], rows[num_decodes:]
+        # A decoding row with k drafts is k + 1 decode queries over the same blocks, the i-th seeing the
+        # first start + i + 1 positions: the decode kernel (shared blocks attended once for all of them)
+        # instead of the prefill one, which is ~4x slower per query at these lengths (measured, Zen 5).
+        decode_ends = [(r.block_ids, p + 1) for r in decodes for p in range(r.start, r.end)]
         qsl = [0]
         for r in prefills:
             qsl.append(qsl[-1] + r.num_new_tokens)
         dev = self.device
         attn = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=self._block_table(decodes),
-            decode_seq_lens=torch.tensor([r.end for r in decodes], dtype=torch.int32, device=dev),
-            prefill_block_tables=self._block_table(prefills),
+            num_decode_tokens=len(decode_ends),
+            decode_block_tables=self._block_table(decode_ends),
+            decode_seq_lens=torch.tensor([end for _, end in decode_ends], dtype=torch.int32, device=dev),
+            prefill_block_tables=self._block_table([(r.block_ids, r.end) for r in prefills]),
             prefill_seq_lens=torch.tensor([r.end for r in prefills], dtype=torch.int32, device=dev),
             prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             scale=self.scale,
@@ -185,22 +188,23 @@ class ModelRunner:
             attn,
         )
 
-    def _block_table(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor:
-        # Only the blocks covering [0, end) are read; pad with 0 (never read past seq_len).
-        width = max((-(-r.end // self.block_size) for r in rows), default=1)
-        table = [list(r.block_ids[:width]) + [0] * (width - min(len(r.block_ids), width)) for r in rows]
-        return torch.tensor(table, dtype=torch.int32, device=self.device).reshape(len(rows), width)
+    def _block_table(self, entries: list[tuple[tuple[int, ...], int]]) -> torch.Tensor:
+        """(block_ids, end) per query row -> [rows, width]. Only the blocks covering [0, end) are read; pad
+        with 0 (never read past seq_len)."""
+        width = max((-(-end // self.block_size) for _, end in entries), default=1)
+        table = [list(ids[:width]) + [0] * (width - min(len(ids), width)) for ids, _ in entries]
+        return torch.tensor(table, dtype=torch.int32, device=self.device).reshape(len(entries), width)
 
     # -- sampling -----------------------------------------------------------------------
-    def _sample_row(self, spec: SampleSpec) -> SampleRow:
+    @staticmethod
+    def _sample_row(spec: SampleSpec, offset: int = 0) -> SampleRow:
+        """``offset``: the row's position after its last known token (a row with drafts samples several). A
+        seeded row's draw is keyed by (seed, output index) alone, so the same seed gives the same tokens
+        whatever the batch, the step the token falls in, or how many drafts were verified with it."""
         p = spec.params
-        generator = None
-        if p.seed is not None:
-            generator = self._generators.get(spec.seq_id)
-            if generator is None:
-                generator = self._generators[spec.seq_id] = torch.Generator().manual_seed(p.seed)
-        return SampleRow(p, spec.history, spec.num_prompt_tokens, generator, spec.banned_token_ids,
-                         spec.num_top_logprobs)
+        key = None if p.seed is None else seeded_race_key(p.seed, spec.output_index + offset)
+        return SampleRow(p, spec.history, spec.num_prompt_tokens, None, spec.banned_token_ids,
+                         spec.num_top_logprobs, key)
 
     def _grammar_mask(self, specs: list[SampleSpec], drafted: list[tuple[int, ...]]) -> GrammarMask | None:
         """``drafted``: per row, the draft tokens before its position (a row with k drafts is sampled at k + 1

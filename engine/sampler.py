@@ -4,8 +4,8 @@ Order (as vLLM v1): raw logprobs from the model's logits; then logit bias, min_t
 penalties and the grammar mask of structured outputs (-inf on disallowed tokens); greedy rows
 take the argmax; the others are scaled by temperature, filtered by min_p, top_k and top_p (kernels/sampling.py:
 a radix select in C, no sort), and sampled by the exponential race (argmax p/q, q ~ Exp(1), also
-kernels/sampling.py) keyed by one draw from the row's own generator when it has a seed, so a seeded
-row's draw never depends on its batch.
+kernels/sampling.py) keyed, for a seeded request, by its seed and the index of the output token drawn
+(`seeded_race_key`), so a seeded row's draw depends on neither its batch nor the step it falls in.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class SampleRow:
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...]  # EOS / stop tokens while below min_tokens
     num_top_logprobs: int | None = None  # None: no logprobs wanted for this row
+    race_key: int | None = None  # a seeded row's key for its race (else one draw from its generator)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,8 @@ class Sampler:
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             sub = sub.masked_fill(probs < threshold, float("-inf"))
         probs = self._sampling_probs(sub, params)  # [S, V]
-        seeds = torch.tensor([_race_seed(rows[i].generator or self.generator) for i in sampling])  # [S]
+        seeds = torch.tensor([rows[i].race_key if rows[i].race_key is not None
+                              else _race_seed(rows[i].generator or self.generator) for i in sampling])  # [S]
         drawn = race(probs, seeds)  # [S]; -1 for a row without a positive probability (NaN logits)
         tokens[idx] = torch.where(drawn >= 0, drawn, tokens[idx])  # such a row keeps its argmax
         return tokens
@@ -168,6 +170,14 @@ def _plain_greedy(row: SampleRow) -> bool:
     p = row.params
     return (p.is_greedy and row.num_top_logprobs is None and not row.banned_token_ids and not p.logit_bias
             and not p.needs_penalties)
+
+
+def seeded_race_key(seed: int, output_index: int) -> int:
+    """The race key of a seeded request's ``output_index``-th token: splitmix64 of the pair, in [0, 2^62)."""
+    z = (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 2
 
 
 def _race_seed(generator: torch.Generator) -> int:

@@ -158,7 +158,7 @@ class Scheduler:
             copies.extend(new_copies)
             budget -= row.num_new_tokens
 
-        rows.sort(key=lambda r: r.num_new_tokens != 1)  # decodes first (stable: priority order kept)
+        rows.sort(key=lambda r: r.num_new_tokens - r.num_draft_tokens != 1)  # decodes first (stable: priority order kept)
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(tuple(rows), tuple(copies), tuple(s.seq_id for s in preempted),
                                self.tiers.take_transfers(), finished)
@@ -231,8 +231,9 @@ class Scheduler:
         # Beam search ranks each beam's best 2*width continuations by raw logprob.
         num_top = 2 * p.n if p.use_beam_search else p.logprobs
         if p.needs_penalties:
-            return SampleSpec(seq.seq_id, p, banned, num_top, tuple(seq.token_ids), seq.num_prompt_tokens)
-        return SampleSpec(seq.seq_id, p, banned, num_top)
+            return SampleSpec(seq.seq_id, p, banned, num_top, tuple(seq.token_ids), seq.num_prompt_tokens,
+                              seq.num_output_tokens)
+        return SampleSpec(seq.seq_id, p, banned, num_top, output_index=seq.num_output_tokens)
 
     @staticmethod
     def _prompt_logprobs_spec(seq: Sequence, start: int, end: int) -> PromptLogprobsSpec | None:

@@ -28,6 +28,7 @@ class SampleSpec:
     # copies no history).
     history: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    output_index: int = 0  # which of the sequence's output tokens this draws (a seeded row's draw is keyed by it)
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class ScheduledRow:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    rows: tuple[ScheduledRow, ...]  # decodes (one new token) first, then prefill chunks
+    rows: tuple[ScheduledRow, ...]  # decodes (one new token, plus any drafts) first, then prefill chunks
     copies: tuple[tuple[int, int], ...]  # (src, dst) KV block copies to run before the forward
     preempted_seq_ids: tuple[str, ...]
     # Tier moves (demotions, loads, swaps) to run before the copies; see prefix_cache/tiers.py.
@@ -84,4 +85,5 @@ class SchedulerOutput:
 
     @property
     def num_decode_rows(self) -> int:
-        return sum(1 for r in self.rows if r.num_new_tokens == 1)
+        """Decoding rows (one new token, plus any drafts): they come first."""
+        return sum(1 for r in self.rows if r.num_new_tokens - r.num_draft_tokens == 1)
