@@ -34,7 +34,9 @@ MAX_CLOSING_TOKENS = 128
 # Tried in order when the grammar forces nothing; the first one it allows is taken. Tokens that close
 # more than one thing come first (a tokenizer without them as single tokens skips them).
 _CLOSERS_IN_TEXT = ('"}', '"]', '",', '":', '"', "}", "]")
-_CLOSERS = ("}", "]", '""', '":', '",', '"', "0", "false", "null", "[]", "[", "{}", '{"', "{", ',"', ",", ":")
+# A separator before "0": inside a number that cannot end the object yet (a required key still to come),
+# "0" is also valid and would extend the number digit by digit up to its bound instead of ending it.
+_CLOSERS = ("}", "]", '""', '":', '",', '"', ',"', ",", "0", "false", "null", "[]", "[", "{}", '{"', "{", ":")
 _TEXT_PROBE = "Q"  # allowed inside strings and free text, never between JSON tokens
 
 
