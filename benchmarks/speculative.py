@@ -283,6 +283,28 @@ def run_agent(spec, concurrency: int, model_flags: list[str]) -> dict:
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
+def run_recheck(prompts: dict[str, list[str]], max_tokens: int) -> None:
+    """The two concurrency-1 targets again, int4 as served, each mode in 2 interleaved rounds (best of each)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    rates: dict[str, dict[str, list[float]]] = {}
+    for _ in range(2):
+        for mode, spec in MODES.items():
+            llm = LLM(max_num_seqs=16, speculative_config=spec)
+            llm.generate(prompts["rag"][:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+            for name in ("code_edit", "rag"):
+                llm.reset_prefix_cache()
+                t0, tokens = time.perf_counter(), 0
+                for prompt in prompts[name][:CONCURRENCY[1]]:
+                    tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+                rates.setdefault(name, {}).setdefault(mode, []).append(tokens / (time.perf_counter() - t0))
+            del llm
+    best = {name: {mode: max(r) for mode, r in by.items()} for name, by in rates.items()}
+    write_json("speculative_recheck", {"tokens_per_s": best, "runs": rates})
+    print("speculative recheck (int4, concurrency 1, x off): " + "; ".join(
+        f"{name} " + ", ".join(f"{m} {v / by['off']:.2f}x" for m, v in by.items() if m != "off")
+        for name, by in best.items()))
+
+
 def run_versus_workloads(folder: str, vocab: int) -> None:
     """Speculation must not cost the workloads with nothing to copy: versus_vllm's jobs, each mode twice,
     interleaved; the lesser median of each."""
@@ -310,6 +332,8 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--guard", action="store_true", help="also the random-token never-slower guard")
     ap.add_argument("--agent-only", action="store_true", help="only the agent loop (through the server)")
+    ap.add_argument("--recheck", action="store_true",
+                    help="only RAG and code edit at concurrency 1, int4, off / ngram / suffix, 2 interleaved rounds")
     ap.add_argument("--versus-workloads", action="store_true",
                     help="only versus_vllm's workloads (random tokens: GSP, unique, n=8, beam, TTFT, single stream) "
                          "with speculation off / ngram / suffix, float32, 2 interleaved rounds")
@@ -323,6 +347,9 @@ def main() -> None:
     prompts = workloads(tokenizer)
     ids = {w: [tokenizer(p, add_special_tokens=False).input_ids for p in ps] for w, ps in prompts.items()}
     results: dict = {}
+    if args.recheck:
+        run_recheck(prompts, args.max_tokens)
+        return
     if args.versus_workloads:
         run_versus_workloads(folder, tokenizer.vocab_size)
         return
