@@ -109,15 +109,15 @@ class Engine:
         logger.info("start-up in %.1f s: %s", time.perf_counter() - started,
                     ", ".join(f"{name} {s:.1f} s" for name, s in stages.items() if s >= 0.05))
         # Speculative decoding: drafts sized by this machine's measured step cost (before any request).
-        self.drafter = build_drafter(config.speculative_config, self.runner, parallel=self.workers is not None,
-                                     grammar_check=self.structured.valid_drafts)
+        self.drafter = build_drafter(config.speculative_config, self.runner, self.max_model_len,
+                                     parallel=self.workers is not None, grammar_check=self.structured.valid_drafts)
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy), self.blocks,
             self.tiers, eos_token_ids=self.model_config.eos_token_ids, preemption_mode=config.preemption_mode,
             read_kv_blocks=self.runner.read_blocks if self.workers else self.runner.kv_mover.read_blocks,
-            drafter=self.drafter, max_model_len=self.max_model_len,
+            drafter=self.drafter,
         )
         self.outputs = OutputProcessor(
             self.scheduler, self.detokenizer, self.structured, tuple(self.model_config.eos_token_ids),

@@ -129,16 +129,12 @@ class ModelRunner:
         # drafts: its last k + 1). The samples forking from a row (n>1) are extra rows of the same
         # logits, each drawn with its own params and generator.
         ends = torch.tensor([r.num_new_tokens for r in rows]).cumsum(0) - 1
-        row_positions = [int(ends[i]) - j for i, r in enumerate(rows) for _ in r.samples
-                         for j in range(r.num_draft_tokens, -1, -1)]
-        specs = [spec for r in rows for spec in r.samples for _ in range(r.num_draft_tokens + 1)]
-        drafted = [r.draft_token_ids[:j] for r in rows for _ in r.samples for j in range(r.num_draft_tokens + 1)]
+        row_positions, specs, offsets = self._sampled_positions(rows, ends.tolist())
         samples, accepted = None, {}
         if specs:
             logits = self.model.compute_logits(hidden[torch.tensor(row_positions, dtype=torch.long, device=self.device)])
-            offsets = [j for r in rows for _ in r.samples for j in range(r.num_draft_tokens + 1)]
             samples = self.sampler(logits, [self._sample_row(s, j) for s, j in zip(specs, offsets)],
-                                   self._grammar_mask(specs, drafted))
+                                   self._grammar_mask(rows, specs))
             if batch.num_draft_tokens:
                 specs, samples, accepted = verify_drafts(rows, specs, samples)
         prompt_lp = self._prompt_logprobs(rows, hidden, ends)
@@ -206,11 +202,26 @@ class ModelRunner:
         return SampleRow(p, spec.history, spec.num_prompt_tokens, None, spec.banned_token_ids,
                          spec.num_top_logprobs, key)
 
-    def _grammar_mask(self, specs: list[SampleSpec], drafted: list[tuple[int, ...]]) -> GrammarMask | None:
-        """``drafted``: per row, the draft tokens before its position (a row with k drafts is sampled at k + 1
-        positions; position j's mask is the grammar's after the first j drafts)."""
+    @staticmethod
+    def _sampled_positions(rows: tuple[ScheduledRow, ...], ends: list[int]
+                           ) -> tuple[list[int], list[SampleSpec], list[int]]:
+        """Per sampled position: its row in the forward's output, its spec, and its offset after the row's
+        last known token (a row with k drafts is sampled at its last k + 1 positions, each of its specs)."""
+        positions, specs, offsets = [], [], []
+        for r, end in zip(rows, ends):
+            k = r.num_draft_tokens
+            for spec in r.samples:
+                for j in range(k + 1):
+                    positions.append(end - k + j)
+                    specs.append(spec)
+                    offsets.append(j)
+        return positions, specs, offsets
+
+    def _grammar_mask(self, rows: tuple[ScheduledRow, ...], specs: list[SampleSpec]) -> GrammarMask | None:
+        """Position j of a row with drafts is masked by the grammar's state after the row's first j drafts."""
         if self.structured is None or all(s.params.structured_outputs is None for s in specs):
             return None  # the common case costs one attribute check per row
+        drafted = [r.draft_token_ids[:j] for r in rows for _ in r.samples for j in range(r.num_draft_tokens + 1)]
         return self.structured.grammar_mask([s.seq_id for s in specs], drafted)
 
     def _prompt_logprobs(

@@ -50,7 +50,6 @@ class Scheduler:
         self, limits: SchedulerLimits, blocks: BlockManager, tiers: KVTiers, *,
         eos_token_ids: Seq[int] = (), preemption_mode: str = "recompute",
         read_kv_blocks: Callable[[list[int]], list] | None = None, drafter: Drafter | None = None,
-        max_model_len: int = 1 << 30,
     ) -> None:
         self.limits = limits
         self.blocks = blocks
@@ -65,7 +64,6 @@ class Scheduler:
         self.inflight = InflightPrefixes(blocks)
         self._finished_ids: list[str] = []  # told to the runner with the next output
         self.drafter = drafter  # speculative decoding's draft tokens (None: off)
-        self.max_model_len = max_model_len
 
     # -- queues -----------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[int, ...]:
@@ -168,7 +166,7 @@ class Scheduler:
         if self.drafter is None:
             return {}
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        return self.drafter.draft_step(decoding, budget - len(decoding), self.max_model_len) if decoding else {}
+        return self.drafter.draft_step(decoding, budget - len(decoding)) if decoding else {}
 
     # -- after the forward ----------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:

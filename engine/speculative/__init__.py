@@ -20,7 +20,7 @@ logger = logging.getLogger("prefixserve")
 __all__ = ["Drafter", "SpeculativeConfig", "StepCost", "build_drafter"]
 
 
-def build_drafter(config: SpeculativeConfig | None, runner, parallel: bool = False,
+def build_drafter(config: SpeculativeConfig | None, runner, max_model_len: int, parallel: bool = False,
                   grammar_check=None) -> Drafter | None:
     """The engine's drafter (None when speculation is off). On one CPU process the step cost is measured
     now; a GPU, or ranks that must run every forward together, take every draft (a flat cost)."""
@@ -33,4 +33,4 @@ def build_drafter(config: SpeculativeConfig | None, runner, parallel: bool = Fal
         logger.info("speculative decoding (%s, up to %d draft tokens): step cost by tokens %s", config.method,
                     config.num_speculative_tokens,
                     ", ".join(f"{n}: {s / base:.2f}x" for n, s in zip(cost.tokens, cost.seconds)))
-    return Drafter(config, cost, grammar_check)
+    return Drafter(config, cost, max_model_len, grammar_check)

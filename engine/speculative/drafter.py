@@ -9,9 +9,8 @@ A sequence drafts only where nothing makes its next token depend on the drafts' 
 penalties, no min_tokens still to reach: their logits processors read the tokens before each position)
 and nothing asks for one token a step (beam search). Under a grammar (structured outputs, tool calls) the
 drafts are cut to what the grammar accepts, and each verified position is masked by the grammar's state
-after the drafts before it. Its drafts pause, for twice as long each
-time, while they are mostly rejected; the step verifies only the drafts its measured cost says pay
-(engine/speculative/cost.py).
+after the drafts before it. A sequence's drafts pause, for twice as long each time, while they are
+mostly rejected; the step verifies only the drafts its measured cost says pay (engine/speculative/cost.py).
 """
 from __future__ import annotations
 
@@ -50,9 +49,9 @@ class _Acceptance:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, cost: StepCost,
+    def __init__(self, config: SpeculativeConfig, cost: StepCost, max_model_len: int = 1 << 30,
                  grammar_check: Callable[[str, tuple[int, ...]], int] | None = None) -> None:
-        self.config, self.cost = config, cost
+        self.config, self.cost, self.max_model_len = config, cost, max_model_len
         self.grammar_check = grammar_check  # (seq_id, drafts) -> how many the sequence's grammar accepts
         key_len = config.prompt_lookup_min if config.method == "ngram" else SUFFIX_KEY_LEN
         self.key_len = key_len
@@ -63,32 +62,25 @@ class Drafter:
         self.counters = SpecCounters(config.num_speculative_tokens)
 
     # -- proposing ------------------------------------------------------------------------
-    def draft_step(self, seqs: list[Sequence], budget: int, max_model_len: int) -> dict[str, tuple[int, ...]]:
+    def draft_step(self, seqs: list[Sequence], budget: int) -> dict[str, tuple[int, ...]]:
         """Drafts for decoding sequences (one new token each), within ``budget`` extra tokens, kept only
         where verifying them raises the step's output tokens per second."""
-        offers: list[tuple[str, tuple[int, ...]]] = []
-        for seq in seqs:
-            drafts = self._propose(seq, max_model_len)
-            if drafts:
-                offers.append((seq.seq_id, drafts))
+        offers = [(seq, drafts) for seq in seqs if (drafts := self._propose(seq))]
         if not offers:
             return {}
-        gains = [(len(d), self.acceptance.setdefault(s, _Acceptance()).expected(len(d))) for s, d in offers]
-        taken = worth_drafting(self.cost, len(seqs), float(len(seqs)), gains)
+        gains = [(len(d), self.acceptance[seq.seq_id].expected(len(d))) for seq, d in offers]
+        taken = set(worth_drafting(self.cost, len(seqs), float(len(seqs)), gains))
         out, used = {}, 0
-        for i in taken:
-            seq_id, drafts = offers[i]
-            drafts = drafts[: max(0, budget - used)]
+        for i, (seq, drafts) in enumerate(offers):
+            drafts = drafts[: max(0, budget - used)] if i in taken else ()
             if drafts:
-                out[seq_id] = drafts
+                out[seq.seq_id] = drafts
                 used += len(drafts)
-        num_tokens = {s.seq_id: s.num_tokens for s in seqs}
-        for seq_id, drafts in offers:
-            if seq_id not in out:
-                self.acceptance[seq_id].shadow = (num_tokens[seq_id], drafts[0])
+            else:
+                self.acceptance[seq.seq_id].shadow = (seq.num_tokens, offers[i][1][0])
         return out
 
-    def _propose(self, seq: Sequence, max_model_len: int) -> tuple[int, ...]:
+    def _propose(self, seq: Sequence) -> tuple[int, ...]:
         p = seq.params
         if (p.use_beam_search or p.needs_penalties or seq.num_output_tokens < p.min_tokens
                 or seq.num_computed_tokens != seq.num_tokens - 1
@@ -104,7 +96,7 @@ class Drafter:
             return ()
         # The bonus token after the drafts is an output too: never past max_tokens or the context.
         room = min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
-                   max_model_len - seq.num_tokens - 1)
+                   self.max_model_len - seq.num_tokens - 1)
         if room <= 0:
             return ()
         index = self.own.get(seq.seq_id)
