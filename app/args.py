@@ -13,7 +13,8 @@ ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short forms
 # arguments. tests/server/test_cli_help.py checks that every field has one.
 HELP = {
     "model": ("model", "a builtin model name, a Hugging Face folder, or a .gguf file (nothing is downloaded)"),
-    "dtype": ("model", "float32, bfloat16 (faster where the CPU has AVX512-BF16 or AMX, and on GPUs) or float16"),
+    "dtype": ("model", "float32, bfloat16 (half the weight bytes: faster decode everywhere, faster prefill where the "
+                       "CPU has AVX512-BF16 or AMX, and on GPUs) or float16"),
     "device": ("model", "auto (cuda where a GPU is present), cpu, cuda or cuda:N"),
     "quantization": ("model", "auto: a quantized GGUF runs quantized; none: dequantize it; gguf: insist on "
                               "quantized weights"),
@@ -36,6 +37,10 @@ HELP = {
     "kv_redis_key_prefix": ("cache", "prefix of this deployment's Redis keys"),
     "kv_tier_policy": ("cache", "auto: load a slower tier's hit only where that beats recomputing it (measured); "
                                 "always: load every hit"),
+    "prompt_cache_ttl": ("cache", "seconds a request's prompt_cache_key keeps its context cached past its end "
+                                  "(\"in_memory\" retention; \"24h\" asks for a day)"),
+    "kv_retention_max_fraction": ("cache", "fraction [0-1] of the KV pool that retained contexts may hold (retained "
+                                           "blocks are evicted after all others, never refusing a request)"),
     "kv_events_config": ("cache", "JSON of vLLM's KV events config (publish block stored / removed events over "
                                   "ZMQ for KV-aware routers)"),
     "speculative_config": ("speculative", "JSON as vLLM's: {\"method\": \"ngram\" or \"suffix\", "

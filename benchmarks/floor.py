@@ -92,10 +92,16 @@ class ModelShape:
 # -- measurements --------------------------------------------------------------------------------
 def _linear_fns(dtype: torch.dtype):
     """(pack, linear): the fastest linear this machine has, oneDNN with prepacked weights (what the
-    engine's CPU ops run, kernels/cpu/onednn_linear.py), else F.linear."""
-    from kernels.cpu.onednn_linear import onednn_linear_available, pack_weight, packed_linear
+    engine's CPU ops run, kernels/cpu/onednn_linear.py), else F.linear. bfloat16 where oneDNN has no
+    bfloat16 kernels (no AVX512-BF16 / AMX): torch's bfloat16 matmul is emulated there (14-16 GFLOP/s on an
+    AVX2-only AMD EPYC Zen 3, a weak library rate, not the machine's), so the floor takes the weight widened to
+    float32 per call (kernels/cpu/widened_linear.py, what the engine binds there; 96-107 GFLOP/s)."""
+    from kernels.cpu.onednn_linear import onednn_bf16_supported, onednn_linear_available, pack_weight, packed_linear
+    from kernels.cpu.widened_linear import widened_linear, widen
 
-    if onednn_linear_available():  # pack_weight leaves what oneDNN cannot pack here (bf16 without AVX512-BF16)
+    if dtype == torch.bfloat16 and onednn_linear_available() and not onednn_bf16_supported():
+        return widen, lambda x, w: widened_linear(x, w)
+    if onednn_linear_available():
         return pack_weight, lambda x, w: packed_linear(x, w) if w.is_mkldnn else F.linear(x, w)
     return (lambda w: w), F.linear
 
@@ -110,13 +116,13 @@ def gemm_rate(shape: ModelShape, dtype: torch.dtype, rows: int, seconds: float =
     best = float("inf")
     with torch.inference_mode():
         for w in layers[0]:
-            fn(xs[w.size(1)], w)
+            fn(xs[w.shape[1]], w)
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline or best == float("inf"):
             t0 = time.perf_counter()
             for layer in layers:
                 for w in layer:
-                    fn(xs[w.size(1)], w)
+                    fn(xs[w.shape[1]], w)
             best = min(best, time.perf_counter() - t0)
     return flops / best
 

@@ -6,8 +6,8 @@
 #
 #   bash benchmarks/peers/install_llama_cpp.sh [DIR]     (default: benchmarks/.peers/llama.cpp)
 #
-# Native tuning stays off (a GGML_NATIVE=ON build has crashed on this CPU type); the AVX-512
-# family is switched on by hand. ~8 minutes on 2 cores.
+# Native tuning stays off (a GGML_NATIVE=ON build has crashed on this CPU type); the instruction
+# sets /proc/cpuinfo lists are switched on by hand. ~8 minutes on 2 cores.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 DIR="${1:-$HERE/../.peers/llama.cpp}"
@@ -24,8 +24,16 @@ rm -rf "$DIR/src"; mv "$SRC" "$DIR/src"; rm -rf "$TMP"
 # this project ran on, a build with GGML_AMX_TILE/INT8/BF16 died with SIGILL as its thread pool started
 # (the VM does not grant the tile state to it), while the AVX-512 build below serves.
 AMX="${LLAMA_CPP_AMX_FLAGS:-}"
-cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
-  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON $AMX \
+# Only instruction sets this CPU lists: an AVX-512 build runs instructions an AVX2-only CPU (AMD EPYC Zen 3) lacks.
+has() { grep -m1 '^flags' /proc/cpuinfo | grep -qw "$1"; }
+ISA="-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+has bmi2 && ISA="$ISA -DGGML_BMI2=ON"
+has avx512f && ISA="$ISA -DGGML_AVX512=ON"
+has avx512vbmi && ISA="$ISA -DGGML_AVX512_VBMI=ON"
+has avx512_vnni && ISA="$ISA -DGGML_AVX512_VNNI=ON"
+has avx512_bf16 && ISA="$ISA -DGGML_AVX512_BF16=ON"
+echo "llama.cpp ISA flags: $ISA"
+cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF $ISA $AMX \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 # llama-perplexity: llama.cpp's own log-likelihood of a text (benchmarks/quantized.py)
 cmake --build "$DIR/build" --target llama-server llama-perplexity -j 2

@@ -3,6 +3,7 @@
     linear_small_rows(dispatch, weight, gated, ...)  rows the C linear takes before the GEMM form (dense weights)
     lm_head_spans(dispatch, qw)                      which kernel computes an int8 LM head's logits, per row count
     int4_layout(dispatch, n, k, group_size)          the int4 weight layout (C kernel or torch's), per shape
+    gemm_form(dispatch, weight, candidates)          a dense weight's GEMM form (bfloat16 without oneDNN's kernels)
 
 Each times its eligible implementations on inputs of the model's own shapes, with enough copies of the
 weight that they stream from memory as in a forward (a weight that sits in the cache flatters the
@@ -63,6 +64,28 @@ def linear_small_rows(dispatch: Dispatcher, weight: torch.Tensor, *, gated: bool
                              tol=0.02 if weight.dtype == torch.bfloat16 else 1e-4, mode="threshold")
     upto = choice.up_to(small_name)
     return EVERY if upto >= EVERY and limit >= EVERY else min(upto, limit)
+
+
+GEMM_ROWS = (64, 512)  # where the GEMM form takes over from the row kernel, and a prefill chunk
+
+
+def gemm_form(dispatch: Dispatcher, weight: torch.Tensor, candidates: dict[str, tuple],
+              rows: tuple[int, ...] = GEMM_ROWS) -> str:
+    """The GEMM form (name -> (pack(w) -> form, call(x, form) -> y)) for a weight of this shape and dtype: one
+    for every row count (each is a form of the one weight), the best over ``rows`` (an LM head computes
+    logits for a step's sampled rows only: 64 at most)."""
+    n, k = weight.shape
+
+    def setup():
+        weights = [weight] + [weight.clone() for _ in range(copies_of(weight.numel() * weight.element_size()) - 1)]
+        gen = torch.Generator().manual_seed(0)
+        fns = {name: rotating(call, [pack(w) for w in weights]) for name, (pack, call) in candidates.items()}
+        return (fns, lambda m: torch.randn(m, k, generator=gen).to(weight.dtype),
+                lambda x: F.linear(x.float(), weight.float()))
+
+    choice = dispatch.choose("gemm", f"{weight.dtype} {n}x{k}", list(candidates), setup, rows,
+                             tol=0.02 if weight.dtype == torch.bfloat16 else 1e-4, mode="single")
+    return choice.by_rows[0][1]
 
 
 def lm_head_spans(dispatch: Dispatcher, qw, candidates: dict[str, Callable[[], Callable]],

@@ -8,8 +8,8 @@ where the CPU has AVX-512; see c_kernel_rows for the policy and what it was meas
 The torch reference is ``torch.nn.functional.linear``; this computes the same products and sums in
 another order (float32 rounding apart, the same result; bfloat16 sums in float32 and rounds once,
 as oneDNN's F.linear does). It covers float32 CPU tensors, and bfloat16 ones where the CPU has
-AVX512-BF16, with 1 <= M <= ``max_linear_rows`` (16; bfloat16: 8) rows, a row-major weight and a contiguous input
-row; anything else, or no C compiler, goes to F.linear, so it is always safe to call. See the C
+AVX512-BF16 or AVX2 (widened to float32 in registers there), with 1 <= M <= ``max_linear_rows`` (16;
+bfloat16 with AVX512-BF16: 8) rows, a row-major weight and a contiguous input row; anything else, or no C compiler, goes to F.linear, so it is always safe to call. See the C
 file for why.
 """
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .hugepages import on_huge_pages
 from .native import DTYPE_SUFFIX, NativeKernels, cpu_has_amx, cpu_has_avx512, native_kernels
+from .widened_linear import WidenedWeight
 # bfloat16 rows the C kernel takes: above 8 it makes a second pass over each weight row, and
 # oneDNN's AMX path wins (SmolLM2's 30 layers: 13/16/33 ms per step at 4/8/16 rows vs F.linear's
 # 22/23/24 ms).
@@ -39,8 +40,10 @@ class CpuLinearWeight:
     - ``small``: the C kernel's form for 1..``small_rows`` rows: the lanes layout (:func:`pack_lanes`,
       csrc/lanes_linear.c; ``lanes`` True) where the CPU has AVX-512, else the plain weight [N, K]
       (the module's own tensor, no copy) for the row kernel (csrc/linear.c);
-    - ``packed``: oneDNN's packed copy (onednn_linear.pack_weight) for the other row counts, or None
-      where ``small`` takes every row count (``small_rows`` == EVERY_ROW).
+    - ``packed``: the GEMM form for the other row counts: oneDNN's packed copy (onednn_linear.pack_weight),
+      or, for bfloat16 where oneDNN has no bfloat16 kernels, the plain weight widened per call
+      (widened_linear.WidenedWeight, no copy); None where ``small`` takes every row count
+      (``small_rows`` == EVERY_ROW).
 
     ``shape`` is the weight's (N, K). ``gated``: an MLP's gate_up weight [2I, K] whose ``small`` is the
     gated lanes layout (:func:`pack_lanes_gated`), which only the fused gate_up + SiLU-and-multiply reads
@@ -110,6 +113,8 @@ def unpack_weight(form) -> torch.Tensor:
         if form.lanes:
             return (unpack_lanes_gated if form.gated else unpack_lanes)(form.small, form.shape)
         return form.small
+    if type(form) is WidenedWeight:
+        return form.weight
     if isinstance(form, torch.Tensor) and form.is_mkldnn:
         return form.to_dense()
     return form
@@ -126,13 +131,26 @@ def row_reader(form):
     return lambda ids: lanes[ids // LANES, :, ids % LANES, :].reshape(ids.shape[0], -1)[:, :k].contiguous()
 
 
-def form_nbytes(form) -> int:
-    """Bytes a weight's bound form holds (both of a CpuLinearWeight's forms)."""
+def form_tensors(form) -> list[torch.Tensor]:
+    """The tensors a weight's bound form holds: a CpuLinearWeight's two forms, a WidenedWeight's bfloat16
+    weight, or the form itself (oneDNN's opaque tensor, or the plain weight)."""
     if type(form) is CpuLinearWeight:
-        return sum(form_nbytes(t) for t in (form.small, form.packed) if t is not None)
-    if isinstance(form, torch.Tensor):
-        return form.numel() * form.element_size()
-    return int(getattr(form, "nbytes", 0))
+        return [t for f in (form.small, form.packed) if f is not None for t in form_tensors(f)]
+    if type(form) is WidenedWeight:
+        return [form.weight]
+    return [form] if isinstance(form, torch.Tensor) else []
+
+
+def form_nbytes(form) -> int:
+    """Bytes a weight's bound form holds (a storage shared by two of its forms counted once)."""
+    tensors = form_tensors(form)
+    if not tensors:
+        return int(getattr(form, "nbytes", 0))
+    held = {}
+    for t in tensors:
+        key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+        held[key] = t.numel() * t.element_size()
+    return sum(held.values())
 
 
 def has_lanes(dtype: torch.dtype) -> bool:
@@ -156,13 +174,16 @@ def c_kernel_rows(dtype: torch.dtype) -> int:
       20.2 / 21.7, 64 rows 67.7 / 71.7) and loses at 1,088 (892 / 801): 1-64 rows.
     - AVX2 only, float32, the row kernel (2-core AMD EPYC): 1 row 20-23 ms vs oneDNN's 21-26, 4 rows
       18-19 vs 25-27, 8 rows 22-26 vs 30-33, 16 rows a tie (39-41 vs 40-46): rows 1-8.
+    - AVX2 only, bfloat16, the row kernel's AVX2 path (widened to float32 in registers; 2-core AMD EPYC Zen 3)
+      against the widened GEMM (widened_linear.py): 1 row 20-23 / 44-76 ms, 8 rows 30-34 / 92-113, 16 rows
+      59 / 129, 32 rows 115 / 153, 64 rows 219 / 216: rows 1-8 by flags (the bound ops measure it).
     """
     if has_lanes(dtype):
         if not cpu_has_amx():
             return EVERY_ROW
         return 1 if dtype == torch.bfloat16 else 64
     native = native_kernels()
-    if dtype == torch.float32 and native is not None and not cpu_has_avx512():
+    if native is not None and not cpu_has_avx512() and native.linear_for(dtype) is not None:
         return 8
     return 0
 
@@ -206,7 +227,9 @@ def rows_covered(native: NativeKernels, dtype: torch.dtype) -> range:
     """The row counts the C kernel takes in ``dtype`` (empty where it has none for that dtype)."""
     if native.linear_for(dtype) is None:
         return range(0)
-    return range(1, 1 + (native.max_linear_rows if dtype == torch.float32 else BF16_MAX_ROWS))
+    if dtype == torch.float32 or not cpu_has_avx512():  # AVX2's bfloat16 path is float32's with widened loads
+        return range(1, 1 + native.max_linear_rows)
+    return range(1, 1 + BF16_MAX_ROWS)
 
 
 def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -83,7 +83,7 @@ class NativeKernels:
     prefill_f32: ctypes._CFuncPtr
     prefill_bf16: ctypes._CFuncPtr  # float32 math on bfloat16 operands (see csrc/paged_attention_prefill.c)
     linear_f32: ctypes._CFuncPtr
-    linear_bf16: ctypes._CFuncPtr | None  # None without AVX512-BF16 (F.linear then)
+    linear_bf16: ctypes._CFuncPtr | None  # None without AVX512-BF16 or AVX2 (F.linear then)
     store_kv: ctypes._CFuncPtr
     int4_linear: ctypes._CFuncPtr | None  # None without AVX512-VNNI (torch's int4 kernel then)
     elementwise: dict[str, ctypes._CFuncPtr]  # "add_rms_norm_f32", "silu_mul_bf16", "rope_f32", ...

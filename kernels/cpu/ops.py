@@ -42,10 +42,11 @@ from .linear import (EVERY_ROW, CpuLinearWeight, c_kernel_rows, covers, has_lane
 from ..interface import KernelOps
 from ..quant_linear import with_logits_kernels
 from .paged_attention import call_decode, paged_attention_decode_cpu, paged_attention_prefill_cpu
-from .choices import HEAD_ROWS, LINEAR_ROWS, linear_small_rows
+from .choices import GEMM_ROWS, HEAD_ROWS, LINEAR_ROWS, gemm_form, linear_small_rows
 from .dispatch import EVERY, Dispatcher
 from .scratch import Scratch
 from .store_kv import store_kv_cpu
+from .widened_linear import WidenedWeight, widen, widened_linear
 
 # Row counts for which W @ x^T is used (float32 on CPU) when neither the C kernel nor oneDNN is there.
 WEIGHT_MAJOR_ROWS = range(2, 11)
@@ -73,23 +74,51 @@ def checked_cpu_ops() -> KernelOps:
                      row_reader=row_reader)
 
 
-def pack_weight(weight, *, gated: bool = False, rows: int | None = None):
+def pack_weight(weight, *, gated: bool = False, rows: int | None = None, large: str | None = None):
     """A float32 / bfloat16 weight in the forms the bound linear reads on this CPU (linear.CpuLinearWeight):
     the C kernel's form (the lanes layout on AVX-512, else the plain weight) for up to ``rows`` rows,
-    beside oneDNN's packed copy for more, or one of the two alone; anything else as is. ``rows``: as the
+    beside the GEMM form (``large``) for more, or one of the two alone; anything else as is. ``rows``: as the
     bound ops measured it (choices.linear_small_rows; EVERY_ROW: every row count), else the flags' policy
-    (linear.c_kernel_rows). ``gated``: an MLP's gate_up [2I, K] for linear_silu_mul, its lanes form
+    (linear.c_kernel_rows). ``large``: "onednn" (oneDNN's packed copy), "widened" (bfloat16 multiplied in
+    float32, widened_linear.py) or "torch" (the plain weight, F.linear), as measured, else by flags
+    (:func:`gemm_forms`' first). ``gated``: an MLP's gate_up [2I, K] for linear_silu_mul, its lanes form
     reordered for the fused kernel (linear.pack_lanes_gated)."""
-    if not (weight.dim() == 2 and weight.device.type == "cpu"):
-        rows = 0
-    elif rows is None:
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type == "cpu"):
+        return onednn_linear.pack_weight(weight) if isinstance(weight, torch.Tensor) else weight
+    if rows is None:
         rows = c_kernel_rows(weight.dtype)
+    large_form = pack_gemm_form(weight, large or gemm_forms(weight.dtype)[0])
     if rows == 0:
-        return onednn_linear.pack_weight(weight)
+        return large_form
     lanes = has_lanes(weight.dtype)
     small = (pack_lanes_gated if gated else pack_lanes)(weight) if lanes else weight.detach().contiguous()
-    packed = None if rows == EVERY_ROW else onednn_linear.pack_weight(weight)
+    packed = None if rows == EVERY_ROW else large_form
     return CpuLinearWeight(small, packed, tuple(weight.shape), lanes, rows, gated and lanes)
+
+
+def gemm_forms(dtype: torch.dtype) -> list[str]:
+    """The GEMM forms eligible for a ``dtype`` weight here, the flags' pick first: oneDNN's packed copy where
+    oneDNN has kernels for the dtype; for bfloat16 without them (no AVX512-BF16 / AMX), the weight widened to
+    float32 per call beside torch's emulated bfloat16 matmul."""
+    if onednn_linear.pack_weight(torch.zeros(1, 1, dtype=dtype)).is_mkldnn:
+        return ["onednn"]
+    if dtype == torch.bfloat16:
+        return ["widened", "torch"]
+    return ["torch"]
+
+
+def pack_gemm_form(weight: torch.Tensor, name: str):
+    """``weight`` in GEMM form ``name`` (gemm_forms)."""
+    if name == "onednn":
+        return onednn_linear.pack_weight(weight)
+    if name == "widened":
+        return widen(weight)
+    return weight.detach()
+
+
+def gemm_call(form_name: str):
+    """fn(x, form) -> x @ weight^T for the GEMM form ``form_name``."""
+    return {"onednn": onednn_linear.packed_linear, "widened": widened_linear, "torch": F.linear}[form_name]
 
 
 def pack_gate_up(weight):
@@ -113,6 +142,8 @@ def _checked_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -
         if x.dim() == 2 and x.shape[0] <= weight.small_rows:
             return lanes_linear(x, weight, bias) if weight.lanes else linear_covered(x, weight.small, bias)
         weight = weight.packed
+    if type(weight) is WidenedWeight:
+        return widened_linear(x, weight, bias)
     if weight.is_mkldnn:  # packed at bind (onednn_linear.pack_weight)
         return onednn_linear.checked_packed_linear(x, weight, bias)
     return cpu_linear(x, weight, bias)
@@ -122,7 +153,7 @@ def cpu_ops(dtype: torch.dtype, *, checked: bool = False, dispatch: Dispatcher |
     """The op set for a model in ``dtype``. Bound ops choose their weights' forms by measuring them here
     (``dispatch``, kernels/cpu/choices.py); the checked launchers keep the flags' policy."""
     if dtype == torch.bfloat16 and not onednn_linear.onednn_bf16_supported():
-        _warn_slow_bfloat16()
+        _note_bfloat16_without_its_instructions()
     native = native_kernels()
     if checked or native is None or not native.has_dtype(dtype):
         return checked_cpu_ops()
@@ -130,10 +161,11 @@ def cpu_ops(dtype: torch.dtype, *, checked: bool = False, dispatch: Dispatcher |
 
 
 @functools.cache  # once per process
-def _warn_slow_bfloat16() -> None:
-    logger.warning("bfloat16 on a CPU without bfloat16 instructions (AVX512-BF16 / AMX): its matmuls are "
-                   "emulated, measured 6-8x slower than float32 on an AVX2-only AMD EPYC; --dtype float32 is "
-                   "faster here.")
+def _note_bfloat16_without_its_instructions() -> None:
+    logger.info("bfloat16 on a CPU without bfloat16 instructions (AVX512-BF16 / AMX): prefill multiplies in "
+                "float32 on weights widened per call, decode reads the bfloat16 weights (kernels/cpu/"
+                "widened_linear.py). Measured on an AVX2-only AMD EPYC Zen 3 with SmolLM2: shared-prefix batches "
+                "1.2x slower than --dtype float32, single-stream decode 1.3x faster.")
 
 
 class _BoundCpuOps:
@@ -166,12 +198,13 @@ class _BoundCpuOps:
                 and weight.dtype == self.dtype):
             return pack_weight(weight, gated=gated)
         fused = gated and has_lanes(self.dtype)  # gate_up + SiLU-and-multiply in one C pass
+        large = self._large_form(fused, weight, tuple(r for r in GEMM_ROWS if r <= max(rows)) or GEMM_ROWS[:1])
         small = self._small_form(fused, tuple(weight.shape))
         if small is None:  # no C kernel for this dtype here: the GEMM form alone
-            return pack_weight(weight, gated=gated, rows=0)
-        measured = linear_small_rows(self.dispatch, weight, gated=fused, small=small, large=self._large_form(fused),
+            return pack_weight(weight, gated=gated, rows=0, large=large[0])
+        measured = linear_small_rows(self.dispatch, weight, gated=fused, small=small, large=large,
                                      limit=EVERY if small[0] == "lanes" else max(self.linear_rows), rows=rows)
-        return pack_weight(weight, gated=gated, rows=EVERY_ROW if measured >= EVERY else measured)
+        return pack_weight(weight, gated=gated, rows=EVERY_ROW if measured >= EVERY else measured, large=large[0])
 
     def pack_lm_head(self, weight):
         """The LM head: a dense weight as pack_weight at the row counts a head computes; an int8 table with
@@ -188,17 +221,18 @@ class _BoundCpuOps:
             if gated:
                 return "lanes", pack_lanes_gated, lambda x, w: self._gated_call(x, w, (n // 2, k))
             return "lanes", pack_lanes, lambda x, w: self._c_linear_call(self.lanes_linear, x, w, shape, None)
-        if self.dtype == torch.float32 and self.linear_rows:
+        if self.linear_rows:  # float32; bfloat16 with AVX512-BF16 or AVX2 (widened in registers)
             return "rows", lambda w: w.detach().contiguous(), lambda x, w: self._c_linear_call(self.c_linear, x, w,
                                                                                                  shape, None)
         return None
 
-    def _large_form(self, gated: bool):
-        """(name, pack, call) of the GEMM form: oneDNN's packed copy where it packs this dtype, else F.linear."""
-        if onednn_linear.pack_weight(torch.zeros(1, 1, dtype=self.dtype)).is_mkldnn:
-            name, pack, call = "onednn", onednn_linear.pack_weight, onednn_linear.packed_linear
-        else:
-            name, pack, call = "torch", (lambda w: w.detach()), F.linear
+    def _large_form(self, gated: bool, weight: torch.Tensor, rows: tuple[int, ...]):
+        """(name, pack, call) of the GEMM form: oneDNN's packed copy where it packs this dtype; for bfloat16
+        without, the faster here of the weight widened to float32 and torch's matmul (choices.gemm_form)."""
+        names = gemm_forms(self.dtype)
+        name = names[0] if len(names) == 1 else gemm_form(
+            self.dispatch, weight, {n: (functools.partial(pack_gemm_form, name=n), gemm_call(n)) for n in names}, rows)
+        pack, call = functools.partial(pack_gemm_form, name=name), gemm_call(name)
         return (name, pack, (lambda x, w: self.silu_mul(call(x, w)))) if gated else (name, pack, call)
 
     def _gated_call(self, x: torch.Tensor, w: torch.Tensor, shape) -> torch.Tensor:
@@ -216,6 +250,8 @@ class _BoundCpuOps:
                 kernel = self.lanes_linear if weight.lanes else self.c_linear
                 return self._c_linear_call(kernel, x, weight.small, weight.shape, bias)
             weight = weight.packed
+        if type(weight) is WidenedWeight:  # bfloat16 multiplied in float32 (widened_linear.py)
+            return widened_linear(x, weight, bias)
         if weight.is_mkldnn:  # packed at bind: oneDNN (onednn_linear.py)
             return onednn_linear.packed_linear(x, weight, bias)
         elif m not in self.linear_rows:

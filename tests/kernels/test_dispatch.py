@@ -120,14 +120,22 @@ def test_bound_ops_pack_in_the_forms_they_measured_and_compute_the_linear(tmp_pa
 
     if native_kernels() is None or not native_kernels().has_dtype(dtype):
         pytest.skip("no C kernels for this dtype here")
-    d = Dispatcher(cache_dir=tmp_path, overrides="")
-    ops = cpu_ops(dtype, dispatch=d)
     torch.manual_seed(0)
     w, b = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
-    packed = ops.pack_weight(w)
-    (choice,) = d.choices.values()
-    assert choice.op == "linear" and choice.key == f"{dtype} 96x64" and choice.how == "measured"
-    assert choice.slowdown() < 1.5  # bound within 1.5x of the fastest at every row count it measured
+    for attempt in range(3):  # a fresh measurement where another process's load skewed one (xdist's workers)
+        d = Dispatcher(cache_dir=tmp_path / str(attempt), overrides="", is_busy=lambda: False)
+        ops = cpu_ops(dtype, dispatch=d)
+        packed = ops.pack_weight(w)
+        choice = d.choices[f"linear:{dtype} 96x64"]
+        assert choice.how == "measured"
+        # Where oneDNN has no kernels for the dtype (bfloat16 without AVX512-BF16 / AMX), the GEMM form was
+        # measured too (the weight widened to float32, or torch's emulated matmul)
+        assert set(d.choices) <= {f"linear:{dtype} 96x64", f"gemm:{dtype} 96x64"}
+        # bound within 1.5x of the fastest at every row count it measured
+        if all(c.slowdown() < 1.5 for c in d.choices.values()):
+            break
+    else:
+        pytest.fail(f"a bound choice 1.5x slower than the fastest, 3 times: {[c.times_ms for c in d.choices.values()]}")
     tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     for rows in (1, 5, 64, 300):
         x = torch.randn(rows, 64).to(dtype)

@@ -73,7 +73,7 @@ def test_c_linear_bf16_matches_f_linear(rows, k, n, bias):
 
 
 def test_c_linear_covers_only_small_cpu_batches():
-    from kernels.cpu.native import native_kernels
+    from kernels.cpu.native import cpu_has_avx512, native_kernels
     from kernels.cpu.linear import BF16_MAX_ROWS, covers
 
     w = torch.empty(8, 4)
@@ -83,7 +83,10 @@ def test_c_linear_covers_only_small_cpu_batches():
     assert not covers(torch.empty(4, 4, dtype=torch.bfloat16), w)  # mixed dtypes
     bf16_kernel = native_kernels() is not None and native_kernels().linear_bf16 is not None
     assert covers(torch.empty(4, 4, dtype=torch.bfloat16), w.bfloat16()) == bf16_kernel
-    assert not covers(torch.empty(BF16_MAX_ROWS + 1, 4, dtype=torch.bfloat16), w.bfloat16())
+    # AVX512-BF16's kernel takes 8 bfloat16 rows; AVX2's widening path as many as float32's (16)
+    bf16_rows = BF16_MAX_ROWS if cpu_has_avx512() else 16
+    assert covers(torch.empty(bf16_rows, 4, dtype=torch.bfloat16), w.bfloat16()) == bf16_kernel
+    assert not covers(torch.empty(bf16_rows + 1, 4, dtype=torch.bfloat16), w.bfloat16())
 
 
 @pytest.mark.parametrize("rows", [17, 64])

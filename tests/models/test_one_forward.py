@@ -33,6 +33,19 @@ def _run_with(model, ops, input_ids, positions, kv_cache, attn):
 def test_bound_cpu_ops_match_checked_launchers_and_references(tiny_model_factory, monkeypatch, arch, dtype, batch):
     if native_kernels() is None:
         pytest.skip("no C compiler: the cpu set is the checking launchers (references)")
+    # The bound ops measure which form takes which row count, the checking launchers follow the flags: bind
+    # the flags' forms here so both run the same kernels (on AVX2 the measured split lands anywhere from 8 to
+    # 16 float32 rows; tests/kernels/test_dispatch.py covers the measuring)
+    import kernels.cpu.ops as ops_mod
+    from kernels.cpu.dispatch import EVERY
+    from kernels.cpu.linear import c_kernel_rows
+
+    def flags_rows(dispatch, weight, *, gated, small, large, limit, rows=None):
+        upto = c_kernel_rows(weight.dtype)
+        return EVERY if upto >= EVERY else min(upto, limit)
+
+    monkeypatch.setattr(ops_mod, "linear_small_rows", flags_rows)
+    monkeypatch.setattr(ops_mod, "gemm_form", lambda dispatch, weight, candidates, rows=None: next(iter(candidates)))
     llm = _llm(tiny_model_factory(arch), dtype)
     runner = llm.engine.runner
     assert runner.model.ops.name == "cpu"
