@@ -31,7 +31,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     service_tier: str | None = None
-    cache_control: dict[str, Any] | None = None  # accepted; every prefix is cached here anyway
+    cache_control: dict[str, Any] | None = None  # a breakpoint after the last message (breakpoint_turns)
 
 
 class MessageUsage(msgspec.Struct):
@@ -175,6 +175,47 @@ def chat_tool_choice(choice: Mapping[str, Any] | None) -> str | dict[str, Any] |
         return {"type": "function", "function": {"name": choice["name"]}}
     raise _bad("tool_choice must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", \"name\": ...}.",
                "tool_choice")
+
+
+CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control's ttl values (Anthropic's default: 5 minutes)
+MAX_BREAKPOINTS = 4  # as Anthropic allows
+
+
+def _ttl(control: Any, param: str) -> float:
+    if not isinstance(control, Mapping) or control.get("type") != "ephemeral":
+        raise _bad("cache_control must be {\"type\": \"ephemeral\"} with an optional ttl.", param)
+    ttl = control.get("ttl", "5m")
+    if ttl not in CACHE_TTLS:
+        raise _bad(f"cache_control.ttl must be one of {sorted(CACHE_TTLS)}, got {ttl!r}.", f"{param}.ttl")
+    return CACHE_TTLS[ttl]
+
+
+def breakpoint_turns(req: MessagesRequest) -> list[tuple[int, float]]:
+    """Each cache_control breakpoint as (how many chat messages of ``conversation()`` its prefix ends after,
+    its TTL in seconds): one on a tool or a system block ends after the system message (the templates render
+    tools there; 0 without one), one on a block of message i after that message's turn, the request's own
+    after the last message. Bad cache_control, or more than 4 breakpoints, is a 400."""
+    turns: list[tuple[int, float]] = []
+    system_turns = 1 if req.system else 0
+    for i, tool in enumerate(req.tools or ()):
+        if isinstance(tool, Mapping) and tool.get("cache_control") is not None:
+            turns.append((system_turns, _ttl(tool["cache_control"], f"tools[{i}].cache_control")))
+    if isinstance(req.system, list):
+        for j, block in enumerate(req.system):
+            if isinstance(block, Mapping) and block.get("cache_control") is not None:
+                turns.append((system_turns, _ttl(block["cache_control"], f"system[{j}].cache_control")))
+    for i, message in enumerate(req.messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        for j, block in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(block, Mapping) and block.get("cache_control") is not None:
+                ttl = _ttl(block["cache_control"], f"messages[{i}].content[{j}].cache_control")
+                turns.append((len(conversation(req.system, req.messages[: i + 1])), ttl))
+    if req.cache_control is not None:
+        turns.append((len(conversation(req.system, req.messages)), _ttl(req.cache_control, "cache_control")))
+    if len(turns) > MAX_BREAKPOINTS:
+        raise _bad(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {len(turns)}.",
+                   "cache_control")
+    return turns
 
 
 def sampling_fields(req: MessagesRequest) -> dict[str, Any]:

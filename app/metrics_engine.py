@@ -28,6 +28,10 @@ ENGINE_METRICS = {
     "kv_redis_dropped_writes": ("counter", "KV block writes to Redis dropped (queue full or Redis failing)."),
     "kv_redis_failures": ("counter", "Failed Redis calls (each degraded to recomputation)."),
     "kv_redis_corrupt_values": ("counter", "Redis values ignored as corrupt, truncated or foreign."),
+    # Retention (engine/retention.py): contexts kept past their request (prompt_cache_key, cache_control).
+    "kv_retained_blocks": ("gauge", "KV blocks retained (evicted only after every other evictable block)."),
+    "kv_retention_expired": ("counter", "Block retentions that ran out (TTL) or lapsed (the retention cap)."),
+    "kv_retained_evicted": ("counter", "Retained KV blocks evicted all the same (no other block was left)."),
     "grammar_fast_forward_tokens": ("counter", "Output tokens a structured output's grammar forced (not sampled)."),
     # Speculative decoding (engine/speculative/): zero while it is off.
     "spec_decode_num_drafts": ("counter", "Number of spec decoding drafts."),

@@ -53,6 +53,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
     cache_salt: str | None = None
+    # OpenAI prompt caching: a session whose latest context stays cached ("in_memory": --prompt-cache-ttl
+    # seconds idle; "24h") -- engine/retention.py
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     priority: int | None = None
     user: str | None = None
     request_id: str | None = None

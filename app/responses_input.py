@@ -166,7 +166,8 @@ def text_format(text: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def sampling_fields(req: ResponsesRequest) -> dict[str, Any]:
     """The fields engine/openai_compat.sampling_params reads (one sample; no stop strings in this API)."""
     fields = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                                    "seed", "ignore_eos")}
+                                                    "seed", "ignore_eos", "prompt_cache_key",
+                                                    "prompt_cache_retention")}
     fields["response_format"] = text_format(req.text)
     return fields
 

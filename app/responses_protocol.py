@@ -30,9 +30,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: str | None = None
+    # OpenAI prompt caching (engine/retention.py): the session's latest context stays cached.
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     # Accepted and ignored: hints for OpenAI's own infrastructure.
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     include: list[str] | None = None
     # Refused with a 400 when set (app/responses_input.py `check_supported`).

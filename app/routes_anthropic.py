@@ -4,11 +4,16 @@ event types) and POST /v1/messages/count_tokens. Requests run through the same c
 /v1/chat/completions (template, tool-call grammar, engine); errors come back in Anthropic's shape
 (app/errors.py, by path); `x-api-key` is accepted as the API key (app/auth.py).
 
-usage: `input_tokens` are the prompt tokens not read from the prefix cache, `cache_read_input_tokens` the
-ones that were (Anthropic counts its cached prefix the same way), `cache_creation_input_tokens` 0.
+`cache_control` breakpoints (on tools, system blocks, message blocks, or the request) retain the prompt's
+prefix up to each for its ttl (5m / 1h; engine/retention.py): evicted after every unretained block.
+
+usage, as Anthropic defines it: `cache_read_input_tokens` the prompt tokens read from the prefix cache,
+`cache_creation_input_tokens` the ones newly retained at breakpoints (whole KV blocks), `input_tokens` the
+rest.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +24,7 @@ from litestar import Request, Response, post
 
 from app.anthropic_input import (
     AnthropicErrorResponse, CountTokensResponse, MessageResponse, MessagesRequest, MessageStreamEvent, MessageUsage,
-    chat_tool_choice, chat_tools, conversation, sampling_fields,
+    breakpoint_turns, chat_tool_choice, chat_tools, conversation, sampling_fields,
 )
 from app.auth import require_api_key
 from app.errors import OpenAIError, anthropic_body, from_exception
@@ -56,6 +61,9 @@ async def create_message(request: Request) -> Response:
                                            vocab_size=engine.model_info.vocab_size)
     prepared = await _prepare(state, req)
     params = prepared.apply(params)
+    breakpoints = await _breakpoints(state, req, prepared)
+    if breakpoints:
+        params = dataclasses.replace(params, cache_breakpoints=breakpoints)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     state.admit(engine, 1)
     run = await Run.start(engine, state.metrics, [{"prompt_token_ids": prepared.prompt_token_ids}], params, message_id,
@@ -89,6 +97,28 @@ async def count_tokens(request: Request) -> Response:
                     media_type="application/json")
 
 
+async def _breakpoints(state: ServerState, req: MessagesRequest, prepared: PreparedChat
+                       ) -> tuple[tuple[int, float], ...]:
+    """(prompt tokens, ttl seconds) of each cache_control breakpoint: where the prompt rendered with a stand-in
+    message after the breakpoint's turn parts from the real one (the template's own tokens up to there)."""
+    turns = breakpoint_turns(req)
+    if not turns:
+        return ()
+    full = prepared.prompt_token_ids
+    chat, tools = conversation(req.system, req.messages), chat_tools(req.tools)
+    out = []
+    for count, ttl in turns:
+        if count >= len(chat):
+            out.append((len(full), ttl))
+            continue
+        probe = chat[:count] + [{"role": "user", "content": "\u2063"}]
+        ids = (await prepare_chat(state.tool_chat, probe, tools, None, True)).prompt_token_ids
+        common = next((i for i, (a, b) in enumerate(zip(full, ids)) if a != b), min(len(full), len(ids)))
+        if common:
+            out.append((common, ttl))
+    return tuple(out)
+
+
 def _tool_use(call: ToolCall) -> dict[str, Any]:
     try:
         arguments = json.loads(call.arguments or "{}")
@@ -110,8 +140,9 @@ def _stop_reason(choice: CompletionOutput, called: bool) -> tuple[str | None, st
 
 def _usage(out: RequestOutput) -> dict[str, int]:
     prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
-    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
-            "output_tokens": sum(len(c.token_ids) for c in out.outputs)}
+    created = min(out.num_retained_tokens, prompt - cached)
+    return {"input_tokens": prompt - cached - created, "cache_creation_input_tokens": created,
+            "cache_read_input_tokens": cached, "output_tokens": sum(len(c.token_ids) for c in out.outputs)}
 
 
 def _event(kind: str, payload: dict[str, Any]) -> bytes:
@@ -124,7 +155,7 @@ def _stream_error(exc: BaseException) -> bytes:
 
 async def _events(run: Run, message_id: str, model: str, prepared: PreparedChat) -> AsyncIterator[bytes]:
     """message_start, ping, then per content block start / deltas / stop (text as text_delta, a tool call as
-    one input_json_delta), message_delta with the stop reason and output tokens, message_stop."""
+    one input_json_delta), message_delta with the stop reason and the final usage (its cache numbers known once the request ends), message_stop."""
     started = False
     cursor = ChoiceCursor()
     parser = prepared.stream_parser()
@@ -173,7 +204,7 @@ async def _events(run: Run, message_id: str, model: str, prepared: PreparedChat)
     choice = latest.outputs[0]
     reason, sequence = _stop_reason(choice, called)
     yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                   "usage": {"output_tokens": len(choice.token_ids)}})
+                                   "usage": {**_usage(latest), "output_tokens": len(choice.token_ids)}})
     yield _event("message_stop", {})
 
 

@@ -30,6 +30,7 @@ from app.routes_loads import LOADS_ROUTES
 from app.routes_misc import MISC_ROUTES, package_version
 from app.routes_openai import OPENAI_ROUTES
 from app.routes_anthropic import ANTHROPIC_ROUTES
+from app.routes_cache import CACHE_ROUTES
 from app.routes_responses import RESPONSES_ROUTES
 from app.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from app.state import ServerState
@@ -81,7 +82,8 @@ def create_app(
             app.state.server.engine.start()
 
     return Litestar(
-        route_handlers=[*OPENAI_ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *MISC_ROUTES, *LOADS_ROUTES, *DOCS_ROUTES],
+        route_handlers=[*OPENAI_ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *CACHE_ROUTES, *MISC_ROUTES, *LOADS_ROUTES,
+                        *DOCS_ROUTES],
         exception_handlers={Exception: handle_exception},
         request_max_body_size=max_body_bytes,
         openapi_config=openapi_config(package_version(), render_plugins()),

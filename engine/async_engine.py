@@ -17,7 +17,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -58,6 +59,12 @@ class _Abort:
 @dataclass(frozen=True)
 class _ResetPrefixCache:
     done: concurrent.futures.Future  # the engine's answer (bool), set on the engine thread
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Engine], Any]  # run on the engine thread between steps
+    done: concurrent.futures.Future
 
 
 class _Sink:
@@ -212,6 +219,23 @@ class AsyncEngine(FrontendSurface):
         self._send(_ResetPrefixCache(done))
         return await asyncio.wrap_future(done)
 
+    async def cache_lookup(self, token_ids: list[int], *, cache_salt: str | None = None) -> dict[str, int]:
+        """Engine.cache_lookup on the engine thread: tokens of the prefix cached on the device, retained, and
+        continuing in the host tier."""
+        return await self._call(lambda core: core.cache_lookup(token_ids, cache_salt=cache_salt))
+
+    async def cache_release(self, token_ids: list[int], *, cache_salt: str | None = None) -> int:
+        """Engine.cache_release on the engine thread: end the prefix's retention; the tokens released."""
+        return await self._call(lambda core: core.cache_release(token_ids, cache_salt=cache_salt))
+
+    async def _call(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` on the engine thread between steps (the block manager is the engine thread's alone)."""
+        if not self.is_running:
+            return fn(self.engine)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
     def _send(self, message) -> None:
         self._inbox.put(message)
         self._wakeup.set()
@@ -256,6 +280,11 @@ class AsyncEngine(FrontendSurface):
                     continue
                 if not message.sink.put(_ACCEPTED):
                     self.engine.abort(message.request_id)
+            elif isinstance(message, _Call):
+                try:
+                    message.done.set_result(message.fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - reported to the caller
+                    message.done.set_exception(exc)
             elif isinstance(message, _ResetPrefixCache):
                 try:
                     message.done.set_result(self.engine.reset_prefix_cache())

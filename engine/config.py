@@ -46,6 +46,11 @@ class EngineConfig:
     kv_redis_timeout: float = 0.25
     kv_redis_key_prefix: str = "prefixserve"
     kv_tier_policy: str = "auto"  # "auto": load vs recompute from measured costs; "always": load every hit
+    # Retention (engine/retention.py): a request's prompt_cache_key keeps its context cached this many seconds
+    # past its end ("in_memory"); retained blocks are evicted after every other evictable block, and at most
+    # this fraction of the pool is retained (past it, the retention that expires first lapses).
+    prompt_cache_ttl: float = 300.0
+    kv_retention_max_fraction: float = 0.5
     # vLLM's KV events (engine/kv_events.py): a KVEventsConfig, its JSON text (the CLI flag) or a dict.
     kv_events_config: KVEventsConfig | str | dict | None = None
     # Ranks (one process each) the model's heads, MLP and vocabulary are split across (engine/executor.py).
@@ -104,6 +109,10 @@ class EngineConfig:
             bad(f"kv_redis_timeout must be in (0, 60] seconds, got {self.kv_redis_timeout}.")
         if not self.kv_redis_key_prefix or any(c in self.kv_redis_key_prefix for c in ": \t\n"):
             bad(f"kv_redis_key_prefix must be non-empty without ':' or whitespace, got {self.kv_redis_key_prefix!r}.")
+        if not 0.0 < self.prompt_cache_ttl <= 24 * 3600:
+            bad(f"prompt_cache_ttl must be in (0, 86400] seconds, got {self.prompt_cache_ttl}.")
+        if not 0.0 <= self.kv_retention_max_fraction <= 1.0:
+            bad(f"kv_retention_max_fraction must be in [0, 1], got {self.kv_retention_max_fraction}.")
         if self.kv_tier_policy not in KV_TIER_POLICIES:
             bad(f"kv_tier_policy must be one of {KV_TIER_POLICIES}, got {self.kv_tier_policy!r}.")
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))

@@ -30,6 +30,7 @@ from engine.models.sharding import local_config
 from engine.models.resolve import model_fingerprint, names_gguf, resolve_model
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
+from engine.retention import RetentionPolicy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.scheduler_output import SchedulerOutput
@@ -77,6 +78,7 @@ class Engine:
         self.blocks = BlockManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
             extra_keys=(fingerprint, config.dtype),
+            max_retained_blocks=int(num_blocks * config.kv_retention_max_fraction),
         )
         # Host-memory and Redis KV tiers (a KVTiers with neither when both are off).
         self.tiers = build_kv_tiers(config, self.blocks, self.model_config, fingerprint)
@@ -118,6 +120,7 @@ class Engine:
             self.tiers, eos_token_ids=self.model_config.eos_token_ids, preemption_mode=config.preemption_mode,
             read_kv_blocks=self.runner.read_blocks if self.workers else self.runner.kv_mover.read_blocks,
             drafter=self.drafter,
+            retention=RetentionPolicy(self.blocks, idle_ttl_s=config.prompt_cache_ttl),
         )
         self.outputs = OutputProcessor(
             self.scheduler, self.detokenizer, self.structured, tuple(self.model_config.eos_token_ids),
@@ -245,6 +248,25 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         return self.outputs.abort(request_id)
 
+    # -- retention (engine/retention.py): the operator's view and controls ----------------------------
+    def cache_lookup(self, token_ids: list[int], *, cache_salt: str | None = None) -> dict[str, int]:
+        """How much of ``token_ids``' prefix is cached, in whole KV blocks' tokens: on the device (and how much
+        of that is retained), and continuing it in the host tier."""
+        bs = self.blocks.block_size
+        device = self.blocks.cached_chain(token_ids, cache_salt=cache_salt)
+        host = 0
+        if self.tiers.host is not None:
+            for key in self.blocks.block_keys(token_ids, cache_salt=cache_salt)[len(device):]:
+                if self.tiers.host.lookup(key) is None:
+                    break
+                host += 1
+        return {"device_tokens": len(device) * bs, "retained_tokens": sum(map(self.blocks.is_retained, device)) * bs,
+                "host_tokens": host * bs}
+
+    def cache_release(self, token_ids: list[int], *, cache_salt: str | None = None) -> int:
+        """End the retention of ``token_ids``' cached prefix; the tokens (whole blocks) that were retained."""
+        return self.blocks.release_tokens(token_ids, cache_salt=cache_salt) * self.blocks.block_size
+
     @property
     def requests(self) -> dict[str, RequestState]:
         return self.outputs.requests
@@ -279,6 +301,9 @@ class Engine:
             # device hits plus tokens loaded from the host / Redis tiers
             "prefix_cache_hits": cache.hits + self.tiers.counters.loaded_tokens,
             "prefix_cache_evictions": cache.evictions,
+            "kv_retained_blocks": usage["num_retained"],
+            "kv_retention_expired": usage["num_retention_expired"],
+            "kv_retained_evicted": usage["num_retained_evicted"],
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.outputs.counters.prompt_tokens,
             "generation_tokens": self.outputs.counters.generation_tokens,

@@ -5,6 +5,7 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from engine.admission import tokenize_prompt
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine, PromptInput
 from engine.errors import InvalidRequestError
@@ -100,6 +101,24 @@ class LLM(FrontendSurface):
         """Forget every cached block (device pool and host tier), as vLLM's LLM.reset_prefix_cache;
         False while a request holds blocks."""
         return self.engine.reset_prefix_cache()
+
+    # -- retention (engine/retention.py) --------------------------------------------------------------
+    def retain_prefix(self, prompt: PromptInput, ttl_s: float, *, cache_salt: str | None = None) -> int:
+        """Compute ``prompt`` now (where it is not cached) and retain it for ``ttl_s`` seconds: warm a system
+        prompt or a RAG corpus before traffic. Returns the tokens retained (whole KV blocks)."""
+        _, ids = tokenize_prompt(self.engine.tokenizer, self.engine.model_config.vocab_size, prompt)
+        params = SamplingParams(max_tokens=1, temperature=0.0, cache_breakpoints=((len(ids), float(ttl_s)),))
+        self.generate({"prompt_token_ids": ids}, params, use_tqdm=False, cache_salt=cache_salt)
+        return self.cache_lookup(ids, cache_salt=cache_salt)["retained_tokens"]
+
+    def cache_lookup(self, token_ids: list[int], *, cache_salt: str | None = None) -> dict[str, int]:
+        """Tokens of ``token_ids``' prefix cached on the device (``device_tokens``), of those retained
+        (``retained_tokens``), and continuing them in the host tier (``host_tokens``)."""
+        return self.engine.cache_lookup(token_ids, cache_salt=cache_salt)
+
+    def cache_release(self, token_ids: list[int], *, cache_salt: str | None = None) -> int:
+        """End the retention of ``token_ids``' cached prefix; the tokens that were retained."""
+        return self.engine.cache_release(token_ids, cache_salt=cache_salt)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finals: dict[str, RequestOutput] = {}

@@ -80,6 +80,8 @@ def sampling_params(fields: Mapping[str, Any], *, max_tokens: int | None, logpro
         length_penalty=1.0 if get("length_penalty") is None else get("length_penalty"),
         early_stopping=False if get("early_stopping") is None else get("early_stopping"),
         structured_outputs=structured_outputs(fields),
+        prompt_cache_key=get("prompt_cache_key"),
+        prompt_cache_retention=get("prompt_cache_retention"),
     )
 
 

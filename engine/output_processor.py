@@ -251,6 +251,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=outputs, finished=finished, num_cached_tokens=first.num_cached_tokens,
+            num_retained_tokens=sum(seq.num_retained_tokens for seq in state.seqs),
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             metrics=metrics,
         )

@@ -38,5 +38,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # prompt tokens newly retained at the request's cache breakpoints (Anthropic's cache_creation_input_tokens)
+    num_retained_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -10,6 +10,7 @@ from engine.errors import InvalidRequestError
 
 # Temperatures below this are treated as greedy (same threshold as vLLM).
 SAMPLING_EPS = 1e-5
+RETENTION_MAX_S = 24 * 3600.0  # the longest retention a request may ask for (OpenAI's "24h")
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,12 @@ class SamplingParams:
     early_stopping: bool | str = False
     # Grammar-constrained decoding (engine/structured_output.py); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
+    # What stays cached past the request's end (engine/retention.py): OpenAI's prompt_cache_key names a
+    # session whose latest context is retained, for the engine's idle TTL ("in_memory") or 24 hours ("24h");
+    # cache_breakpoints are Anthropic's cache_control: ((prompt tokens, TTL seconds), ...).
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    cache_breakpoints: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(msg: str, param: str) -> None:
@@ -150,6 +157,17 @@ class SamplingParams:
                 bad("structured_outputs must be a StructuredOutputsParams.", "structured_outputs")
             if self.use_beam_search:
                 bad("structured_outputs cannot be combined with use_beam_search.", "structured_outputs")
+        if self.prompt_cache_key is not None and (not isinstance(self.prompt_cache_key, str)
+                                                  or not 0 < len(self.prompt_cache_key) <= 1024):
+            bad("prompt_cache_key must be a string of 1-1024 characters.", "prompt_cache_key")
+        if self.prompt_cache_retention not in (None, "in_memory", "24h"):
+            bad(f"prompt_cache_retention must be 'in_memory' or '24h', got {self.prompt_cache_retention!r}.",
+                "prompt_cache_retention")
+        if not isinstance(self.cache_breakpoints, tuple) or not all(
+                isinstance(b, tuple) and len(b) == 2 and isinstance(b[0], int) and b[0] > 0
+                and isinstance(b[1], (int, float)) and 0 < b[1] <= RETENTION_MAX_S for b in self.cache_breakpoints):
+            bad("cache_breakpoints must be a tuple of (prompt tokens > 0, TTL seconds in (0, 24 h]) pairs.",
+                "cache_breakpoints")
 
     # Derived views: computed, never stored, so the dataclass stays a plain value.
     @property

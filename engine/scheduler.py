@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.inflight_prefixes import InflightPrefixes
+from engine.retention import RetentionPolicy
 from engine.scheduler_output import PromptLogprobsSpec, SampleSpec, ScheduledRow, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.drafter import Drafter
@@ -50,10 +51,12 @@ class Scheduler:
         self, limits: SchedulerLimits, blocks: BlockManager, tiers: KVTiers, *,
         eos_token_ids: Seq[int] = (), preemption_mode: str = "recompute",
         read_kv_blocks: Callable[[list[int]], list] | None = None, drafter: Drafter | None = None,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         self.limits = limits
         self.blocks = blocks
         self.tiers = tiers  # host / Redis tiers (a KVTiers with neither when off): loads, swaps, write-through
+        self.retention = retention  # what stays cached past a request's end (engine/retention.py)
         self.eos_token_ids = tuple(eos_token_ids)
         self.preemption_mode = preemption_mode
         self._read_kv_blocks = read_kv_blocks  # the runner's pool reader, for Redis write-through
@@ -96,6 +99,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if self.blocks.has_seq(seq.seq_id):
+            if self.retention is not None:
+                seq.num_retained_tokens = self.retention.finished(seq)
             self.blocks.free(seq.seq_id)
         self.tiers.drop_swap(seq.seq_id)
         self.inflight.forget(seq)

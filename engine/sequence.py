@@ -35,6 +35,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_retained_tokens: int = 0  # prompt tokens newly retained at its cache breakpoints (engine/retention.py)
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

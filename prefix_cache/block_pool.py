@@ -20,6 +20,15 @@ Eviction takes the least-recently-used evictable LEAF, so a block's parent is ne
 before its children.  ``evict(0)`` is safe.  Access times come from a counter, not a clock, so
 eviction order is deterministic.
 
+Retention (an agent's context kept across a tool call, a system prompt warmed before traffic) is an
+eviction *order*, not a pin: a retained evictable leaf is evicted only once no other evictable leaf is
+left, so retention never refuses an allocation.  ``retain(block_id, until)`` keeps a cached block
+retained until that time of ``clock`` (retention expires by TTL, and a block's retention is the latest
+``until`` asked for it); at most ``max_retained`` blocks are retained, past which the retention that
+expires first lapses first.  Retained and not: LRU within each.  Callers retain whole chains (a prefix),
+so a retained block's ancestors are retained too; leaves-first eviction keeps parents after children
+either way.
+
 ``on_evict`` (optional) is told about every evicted block -- ``on_evict(block_id, key, parent_key,
 token_ids, ns)`` -- while its KV is still intact in the device pool (nothing overwrites a block
 before the next forward), so a slower tier can demote it.  It must not call back into the pool.
@@ -28,6 +37,7 @@ before the next forward), so a slower tier can demote it.  It must not call back
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -46,9 +56,12 @@ class BlockPool:
     become free are appended at the back.  Only when the free list is empty is a block evicted.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, max_retained: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if max_retained is not None and not 0 <= max_retained <= num_blocks:
+            raise ValueError(f"max_retained must be in [0, {num_blocks}], got {max_retained}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.index = RadixIndex(block_size)
@@ -58,9 +71,15 @@ class BlockPool:
         self._free_set: set[int] = set(range(num_blocks))
         self._last_access = [0] * num_blocks
         self._clock = 0
-        # (last_access, block_id) of evictable leaves; entries go stale instead of being removed
-        # (lazy invalidation) and are skipped when popped.
-        self._heap: list[tuple[int, int]] = []
+        # (retained, last_access, block_id) of evictable leaves, retained ones (1) after the others (0);
+        # entries go stale instead of being removed (lazy invalidation) and are skipped when popped.
+        self._heap: list[tuple[int, int, int]] = []
+        self.max_retained = num_blocks if max_retained is None else max_retained
+        self.clock = clock
+        self._retained: dict[int, float] = {}  # block id -> retained until (clock time)
+        self._expiry: list[tuple[float, int]] = []  # (until, block_id), stale once _retained differs
+        self.num_retention_expired = 0  # retentions that ran out (TTL) or lapsed (cap)
+        self.num_retained_evicted = 0  # retained blocks evicted all the same (nothing else was left)
         self._num_evictable = 0
         self._num_in_use = 0
         self.peak_in_use = 0
@@ -99,6 +118,15 @@ class BlockPool:
 
     def last_access(self, block_id: int) -> int:
         return self._last_access[block_id]
+
+    def is_retained(self, block_id: int) -> bool:
+        self._expire()
+        return block_id in self._retained
+
+    @property
+    def num_retained(self) -> int:
+        self._expire()
+        return len(self._retained)
 
     def free_list(self) -> list[int]:
         return list(self._free)
@@ -169,21 +197,73 @@ class BlockPool:
             raise ValueError(f"parent block {parent} must be in use")
         self.index.insert(block_id, key, parent, token_ids, ns)
 
+    # ---- retention ---------------------------------------------------------------------------
+    def retain(self, block_id: int, until: float) -> None:
+        """Keep a cached block retained until clock time ``until`` (a later ``until`` than it has extends it;
+        an earlier one changes nothing: see ``release``)."""
+        if block_id not in self.index:
+            raise ValueError(f"block {block_id} is not cached; only cached blocks can be retained")
+        self._expire()
+        if until <= self.clock() or until <= self._retained.get(block_id, float("-inf")):
+            return
+        was = block_id in self._retained
+        self._retained[block_id] = until
+        if len(self._expiry) > 4 * self.num_blocks + 64:  # stale entries of extended retentions: bounded
+            self._expiry = [(u, b) for b, u in self._retained.items()]
+            heapq.heapify(self._expiry)
+        else:
+            heapq.heappush(self._expiry, (until, block_id))
+        if not was and self.is_evictable(block_id) and self.index.is_leaf(block_id):
+            self._push(block_id)  # its unretained entry goes stale
+        while len(self._retained) > self.max_retained:
+            self._lapse_first()
+
+    def release(self, block_id: int) -> None:
+        """End a block's retention now (it is evicted in LRU order with the others from then on)."""
+        if self._retained.pop(block_id, None) is not None and self.is_evictable(block_id) \
+                and self.index.is_leaf(block_id):
+            self._push(block_id)
+
+    def _lapse_first(self) -> None:
+        """End the retention that expires first."""
+        while self._expiry:
+            until, block_id = heapq.heappop(self._expiry)
+            if self._retained.get(block_id) == until:
+                self.release(block_id)
+                self.num_retention_expired += 1
+                return
+
+    def _expire(self) -> None:
+        """End every retention whose time has come."""
+        now = self.clock()
+        while self._expiry and self._expiry[0][0] <= now:
+            until, block_id = heapq.heappop(self._expiry)
+            if self._retained.get(block_id) == until:  # else stale: extended, released or evicted since
+                self.release(block_id)
+                self.num_retention_expired += 1
+
+    def _tier(self, block_id: int) -> int:
+        return 1 if block_id in self._retained else 0
+
     # ---- eviction ----------------------------------------------------------------------------
-    def _entry_is_live(self, access: int, block_id: int) -> bool:
+    def _entry_is_live(self, tier: int, access: int, block_id: int) -> bool:
         return (
             self._ref[block_id] == 0
             and block_id in self.index
             and self.index.is_leaf(block_id)
             and self._last_access[block_id] == access
+            and self._tier(block_id) == tier
         )
 
     def _evict_one(self) -> int | None:
-        """Remove the LRU evictable leaf from the index; the caller decides where it goes."""
+        """Remove the LRU evictable leaf (retained ones last) from the index; the caller decides where it goes."""
+        self._expire()
         while self._heap:
-            access, block_id = heapq.heappop(self._heap)
-            if not self._entry_is_live(access, block_id):
+            tier, access, block_id = heapq.heappop(self._heap)
+            if not self._entry_is_live(tier, access, block_id):
                 continue
+            if self._retained.pop(block_id, None) is not None:
+                self.num_retained_evicted += 1
             index = self.index
             if self.on_evict is not None:
                 parent = index.parent_of(block_id)
@@ -210,7 +290,7 @@ class BlockPool:
         if len(self._heap) > 4 * self.num_blocks + 64:
             self._heap = [entry for entry in self._heap if self._entry_is_live(*entry)]
             heapq.heapify(self._heap)
-        heapq.heappush(self._heap, (self._last_access[block_id], block_id))
+        heapq.heappush(self._heap, (self._tier(block_id), self._last_access[block_id], block_id))
 
     def evict(self, num_blocks: int) -> list[int]:
         """Evict up to ``num_blocks`` evictable blocks (LRU leaves first) onto the free list."""
@@ -227,10 +307,12 @@ class BlockPool:
     def clear_cached(self) -> int:
         """Free every evictable cached block without reporting it to ``on_evict``; returns how many."""
         on_evict, self.on_evict = self.on_evict, None
+        retained_evicted = self.num_retained_evicted
         try:
             return len(self.evict(self.num_evictable))
         finally:
             self.on_evict = on_evict
+            self.num_retained_evicted = retained_evicted  # a reset, not evictions
 
     # ---- checks ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -253,7 +335,7 @@ class BlockPool:
                 if not cached:
                     raise AssertionError(f"block {b} has ref 0, is not cached and not free (leaked)")
                 evictable += 1
-                if self.index.is_leaf(b) and (self._last_access[b], b) not in live:
+                if self.index.is_leaf(b) and (self._tier(b), self._last_access[b], b) not in live:
                     raise AssertionError(f"evictable leaf {b} has no heap entry")
             else:
                 in_use += 1
@@ -267,3 +349,10 @@ class BlockPool:
             raise AssertionError("cached state counters are wrong")
         if self.peak_in_use < in_use:
             raise AssertionError("peak_in_use below current use")
+        for b, until in self._retained.items():
+            if b not in self.index:
+                raise AssertionError(f"retained block {b} is not cached")
+            if (until, b) not in self._expiry:
+                raise AssertionError(f"retained block {b} has no expiry entry")
+        if len(self._retained) > self.max_retained:
+            raise AssertionError("more blocks retained than max_retained")

@@ -85,6 +85,8 @@ class BlockManager:
         *,
         enable_caching: bool = True,
         extra_keys: tuple = (),
+        max_retained_blocks: int | None = None,
+        clock=None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -93,7 +95,8 @@ class BlockManager:
         self.enable_caching = enable_caching
         self.extra_keys = tuple(extra_keys)
         self._base_ns = encode_extra_keys(self.extra_keys)  # validates the extra keys early
-        self._pool = BlockPool(num_blocks, block_size)
+        self._pool = BlockPool(num_blocks, block_size, max_retained=max_retained_blocks,
+                               **({"clock": clock} if clock is not None else {}))
         self._seqs: dict[Hashable, _SeqState] = {}
         # One entry per protection reference; a block protected twice appears twice.
         self._protected: list[int] = []
@@ -442,6 +445,70 @@ class BlockManager:
         """Evict up to ``num_blocks`` evictable blocks onto the free list (LRU leaves first)."""
         return self._pool.evict(num_blocks)
 
+    # ---- retention (block_pool.py: an eviction order, never a pin) -------------------------------
+    def retain_prefix(self, seq_id: Hashable, num_tokens: int, ttl_s: float, *, from_token: int = 0
+                      ) -> tuple[list[int], int]:
+        """Retain the cached chain of the seq's first ``num_tokens`` tokens (its full committed blocks within
+        them) for ``ttl_s`` seconds from now. Returns (the chain's block ids, how many of those from the one
+        holding token ``from_token`` on were not retained before)."""
+        st = self._seqs[seq_id]
+        pool = self._pool
+        until = pool.clock() + ttl_s
+        chain, new = [], 0
+        for pos in range(min(st.num_committed, num_tokens // self.block_size)):
+            b = st.canonical(pos)
+            new += (pos + 1) * self.block_size > from_token and not pool.is_retained(b)
+            pool.retain(b, until)
+            chain.append(b)
+        return chain, new
+
+    def retain_tokens(self, token_ids: Sequence[int], ttl_s: float, *, cache_salt: str | None = None
+                      ) -> tuple[list[int], int]:
+        """Retain the cached full blocks of ``token_ids``' prefix (as far as it is cached) for ``ttl_s`` seconds:
+        the operator's warm-up. Returns (their block ids, how many were not retained before)."""
+        pool = self._pool
+        until = pool.clock() + ttl_s
+        chain, new = [], 0
+        for b in self.cached_chain(token_ids, cache_salt=cache_salt):
+            new += not pool.is_retained(b)
+            pool.retain(b, until)
+            chain.append(b)
+        return chain, new
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """End the retention of these blocks (those still cached and retained)."""
+        for b in block_ids:
+            self._pool.release(b)
+
+    def release_tokens(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
+        """End the retention of ``token_ids``' cached prefix; returns how many blocks were retained."""
+        chain = [b for b in self.cached_chain(token_ids, cache_salt=cache_salt) if self._pool.is_retained(b)]
+        self.release_blocks(chain)
+        return len(chain)
+
+    def cached_chain(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> list[int]:
+        """The cached blocks of ``token_ids``' full blocks, from the root, as far as they are cached."""
+        index, ns, bs = self._pool.index, self._ns(cache_salt), self.block_size
+        chain: list[int] = []
+        parent_key = None
+        for i in range(len(token_ids) // bs):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            key = block_key_encoded(parent_key, chunk, ns)
+            b = index.lookup(key)
+            if b is None or not index.confirm(b, chain[-1] if chain else None, chunk, ns):
+                break
+            chain.append(b)
+            parent_key = key
+        return chain
+
+    def is_retained(self, block_id: int) -> bool:
+        return self._pool.is_retained(block_id)
+
+    def key_of(self, block_id: int) -> BlockKey | None:
+        """The key a block is cached under (None: not cached): whether an id still holds what it held."""
+        index = self._pool.index
+        return index.key_of(block_id) if block_id in index else None
+
     # ---- introspection -----------------------------------------------------------------------
     def block_ids(self, seq_id: Hashable) -> list[int]:
         return list(self._seqs[seq_id].table)
@@ -471,6 +538,9 @@ class BlockManager:
             "num_evictable": pool.num_evictable,
             "num_in_use": pool.num_in_use,
             "peak_in_use": pool.peak_in_use,
+            "num_retained": pool.num_retained,
+            "num_retention_expired": pool.num_retention_expired,
+            "num_retained_evicted": pool.num_retained_evicted,
         }
 
     def stats(self) -> PrefixCacheStats:

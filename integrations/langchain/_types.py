@@ -46,6 +46,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    cache_creation_tokens: int = 0  # prompt tokens newly retained (prompt_cache_key; in-process)
 
     @property
     def total_tokens(self) -> int:

@@ -117,6 +117,12 @@ class ChatPrefixServe(BaseChatModel):
     one call, which suits small models that would otherwise repeat the call."""
     cache_salt: str | None = None
     """Prefix-cache namespace: requests share cached KV only with requests of the same salt."""
+    prompt_cache_key: str | None = None
+    """A session (OpenAI's field): the context of its latest call stays cached past the call (retained: evicted
+    after everything else) for the server's --prompt-cache-ttl, so an agent's next turn after a tool call reads
+    it back. ``usage_metadata.input_token_details.cache_creation``: prompt tokens newly retained (in-process)."""
+    prompt_cache_retention: str | None = None
+    """"in_memory" (the default) or "24h"."""
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Other request fields: SamplingParams fields in-process, request-body fields (extra_body) remote."""
     http_client: Any = Field(default=None, exclude=True)
@@ -244,8 +250,14 @@ class ChatPrefixServe(BaseChatModel):
             logprobs=bool(take("logprobs")), top_logprobs=take("top_logprobs"), cache_salt=take("cache_salt"),
             timeout=take("timeout"), tools=kw.pop("tools", None) or None, tool_choice=kw.pop("tool_choice", None),
             parallel_tool_calls=take("parallel_tool_calls"), response_format=response_format,
-            extra={**self.model_kwargs, **kw},
+            extra={**self._retention_fields(), **self.model_kwargs, **kw},
         )
+
+    def _retention_fields(self) -> dict[str, Any]:
+        """prompt_cache_key / prompt_cache_retention where set: SamplingParams fields in-process, request-body
+        fields remote (as model_kwargs travel)."""
+        return {name: getattr(self, name) for name in ("prompt_cache_key", "prompt_cache_retention")
+                if getattr(self, name) is not None}
 
     # -- generation -------------------------------------------------------------------------------
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -418,7 +430,8 @@ def _openai_messages(messages: list[BaseMessage]) -> list[dict[str, Any]]:
 def _usage_metadata(usage: Usage) -> UsageMetadata:
     return UsageMetadata(
         input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
-        input_token_details=InputTokenDetails(cache_read=usage.cached_tokens),
+        input_token_details=InputTokenDetails(cache_read=usage.cached_tokens,
+                                              cache_creation=usage.cache_creation_tokens),
     )
 
 

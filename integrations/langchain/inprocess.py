@@ -161,7 +161,8 @@ class _Call:
         return self.prepared.prompt_token_ids
 
     def usage(self, out: RequestOutput) -> Usage:
-        return Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+        return Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens,
+                     out.num_retained_tokens)
 
     def completion(self, out: RequestOutput | None) -> Completion:
         if out is None or not out.finished:

@@ -279,3 +279,18 @@ def test_forced_tool_choice_ends_with_the_complete_call(make_chat, mode):
         assert result.response_metadata["finish_reason"] == "tool_calls"
         assert result.content == "" and not result.invalid_tool_calls
         assert [(c["name"], c["args"]) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_cache_key_retains_the_session_between_turns(make_chat, mode, lc_engine):
+    """An agent's session: the first turn's context is retained (in-process usage says how much was newly
+    retained), the next turn reads it back; the key travels as a request field remotely."""
+    chat = make_chat(mode, cache_salt=f"retain-{mode}", prompt_cache_key="agent-session")
+    turn = [SystemMessage(LONG_SYSTEM), HumanMessage("What is a KV cache?")]
+    first = chat.invoke(turn)
+    details = first.usage_metadata["input_token_details"]
+    if mode == "inprocess":
+        assert details["cache_creation"] >= first.usage_metadata["input_tokens"] - 32 - details["cache_read"]
+    second = chat.invoke(turn + [first, HumanMessage("And paged attention?")])
+    assert second.usage_metadata["input_token_details"]["cache_read"] >= first.usage_metadata["input_tokens"] - 32

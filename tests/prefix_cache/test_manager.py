@@ -42,7 +42,7 @@ def test_tables_come_from_the_front_of_the_free_list():
     m.free("a")  # nothing committed: uncached blocks go to the back, tail first
     assert m.free_list() == [5, 6, 7, 2, 1, 0]
     m.check_integrity()
-    assert m.usage() == {"num_blocks": 8, "num_free": 6, "num_evictable": 0, "num_in_use": 2, "peak_in_use": 5}
+    assert m.usage() == {"num_blocks": 8, "num_free": 6, "num_evictable": 0, "num_in_use": 2, "peak_in_use": 5, "num_retained": 0, "num_retention_expired": 0, "num_retained_evicted": 0}
 
 
 def test_growth_and_noop_growth():
@@ -334,7 +334,7 @@ def test_duplicate_commit_keeps_table_and_anchors_the_cached_twin():
     assert m.usage()["num_evictable"] == 0  # b still holds the whole cached chain
     m.free("b")
     m.check_integrity()
-    assert m.usage() == {"num_blocks": 12, "num_free": 8, "num_evictable": 4, "num_in_use": 0, "peak_in_use": 7}
+    assert m.usage() == {"num_blocks": 12, "num_free": 8, "num_evictable": 4, "num_in_use": 0, "peak_in_use": 7, "num_retained": 0, "num_retention_expired": 0, "num_retained_evicted": 0}
 
 
 def test_recomputed_last_block_of_a_full_hit_anchors_and_keeps_caching():
