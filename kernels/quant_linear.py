@@ -6,10 +6,12 @@ Layouts (``QuantizedWeight.layout``):
            w = (q - 8) * scale + zero, q in [0, 15]; packed by _convert_weight_to_int4pack_for_cpu and
            run by _weight_int4pack_mm_for_cpu (scales_and_zeros [K/g, N, 2]).
     int4_vnni  the same groups, w = q * d + m, packed for kernels/cpu/int4_linear.py (the C kernel on
-           AVX512-VNNI: int8 activations, each 4-bit weight unpacked once for all rows); chosen over
-           int4 wherever that kernel takes the shape. Measured here (2-core Intel Xeon with AMX;
+           AVX512-VNNI, or AVX2's vpmaddubsw: int8 activations, each 4-bit weight unpacked once for all
+           rows); measured against int4 per shape at bind. Measured here (2-core Intel Xeon with AMX;
            benchmarks/cpu_kernels.py --cases int4: SmolLM2's 30 layers of linears, float32 inputs):
-           2.9 vs 4.2 ms at 1 row, 5.9 vs 12.5 ms at 8 rows, 0.74 vs 1.38 s at 1,088 rows.
+           2.9 vs 4.2 ms at 1 row, 5.9 vs 12.5 ms at 8 rows, 0.74 vs 1.38 s at 1,088 rows. AVX2 only
+           (2-core AMD EPYC Zen 3, the dispatcher's timings): 8.8 vs 13.4 ms at 1 row, 1.42 vs 2.31 s at
+           512 rows.
     int8   one scale per output row: w = q * scale, q in [-127, 127]; run by _weight_int8pack_mm.
 torch's two kernels are computed in bfloat16 whatever the model dtype: their float32 paths are scalar.
 Measured here (2-core AMD EPYC, K=576, N=1536): int4 0.029 ms at M=1 vs 0.073 ms for the dense
@@ -211,7 +213,7 @@ def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
     from .cpu.onednn_linear import onednn_bf16_supported, onednn_linear_available, pack_weight, packed_linear
 
     def bf16_table() -> torch.Tensor:
-        return pack_weight(dequantize(qw).to(COMPUTE_DTYPE))
+        return pack_weight(dequantize(qw).to(COMPUTE_DTYPE))  # oneDNN's packed form, or plain without its bf16
 
     def onednn_int8_fn():
         with_int8 = with_onednn_int8(qw)
@@ -219,17 +221,38 @@ def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
 
     def bf16_fn():
         table = bf16_table()
-        return lambda x: packed_linear(x.to(COMPUTE_DTYPE), table).float()
+        return lambda x: _bf16_table_logits(x, table)
 
     candidates = {"int8pack": lambda: (lambda x: quantized_linear(x, qw).float())}
     if with_onednn_int8(qw, probe=True).onednn is not None:
         candidates["onednn_int8"] = onednn_int8_fn
-    if onednn_bf16_supported() and onednn_linear_available():  # oneDNN has bfloat16 kernels here
+    # the bfloat16 table: through oneDNN where it has bfloat16 kernels, else through the C row kernel's AVX2 path
+    # and the widened GEMM (on an AVX2-only AMD EPYC Zen 3 torch's int8 kernel took 10.5 ms at 1 row and 275 at
+    # 64 for SmolLM2's head, the bfloat16 table 4.8 and ~50)
+    if onednn_linear_available() and (onednn_bf16_supported() or _bf16_rows_kernel()):
         candidates["bf16"] = bf16_fn
     spans = lm_head_spans(dispatch, qw, candidates, second_copies={"bf16": BF16_HEAD_GAIN})
     used = {name for _, name in spans}
     return dataclasses.replace(qw, onednn=with_onednn_int8(qw).onednn if "onednn_int8" in used else None,
                                dense=bf16_table() if "bf16" in used else None, logits_spans=spans)
+
+
+def _bf16_rows_kernel() -> bool:
+    """The C row kernel takes bfloat16 here (AVX512-BF16, or AVX2's widening path)."""
+    from .cpu.native import native_kernels
+
+    native = native_kernels()
+    return native is not None and native.linear_for(COMPUTE_DTYPE) is not None
+
+
+def _bf16_table_logits(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ the bfloat16 table [V, K]^T -> [M, V] float32: oneDNN on its packed form, else the C row kernel
+    and the widened GEMM on the plain table."""
+    from .cpu.linear import plain_bf16_linear
+    from .cpu.onednn_linear import packed_linear
+
+    xb = x.to(COMPUTE_DTYPE).contiguous()
+    return (packed_linear(xb, table) if table.is_mkldnn else plain_bf16_linear(xb, table)).float()
 
 
 def _logits_kernel(qw: QuantizedWeight, rows: int) -> str:
@@ -262,9 +285,7 @@ def quantized_logits(x: torch.Tensor, qw: QuantizedWeight, refine: int = REFINED
     if kernel == "onednn_int8":
         logits = _onednn_int8_logits(x, qw)  # [M, V]
     elif kernel == "bf16":
-        from .cpu.onednn_linear import packed_linear
-
-        logits = packed_linear(x.to(COMPUTE_DTYPE), qw.dense).float()  # [M, V]
+        logits = _bf16_table_logits(x, qw.dense)  # [M, V]
     else:
         logits = quantized_linear(x, qw).float()  # [M, V]
     if qw.layout != "int8" or qw.exact_scales is None or refine <= 0:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .hugepages import on_huge_pages
 from .native import DTYPE_SUFFIX, NativeKernels, cpu_has_amx, cpu_has_avx512, native_kernels
-from .widened_linear import WidenedWeight
+from .widened_linear import WidenedWeight, widened_linear
 # bfloat16 rows the C kernel takes: above 8 it makes a second pass over each weight row, and
 # oneDNN's AMX path wins (SmolLM2's 30 layers: 13/16/33 ms per step at 4/8/16 rows vs F.linear's
 # 22/23/24 ms).
@@ -243,6 +243,12 @@ def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return linear_covered(x, weight, bias) if covers(x, weight) else F.linear(x, weight, bias)
+
+
+def plain_bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bfloat16 @ a plain bfloat16 weight [N, K]^T where oneDNN has no bfloat16 kernels: the C row
+    kernel for the rows it takes, the weight widened to float32 for more (widened_linear.py)."""
+    return linear_covered(x, weight) if covers(x, weight) else widened_linear(x, WidenedWeight(weight))
 
 
 def linear_covered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from kernels.cpu import int4_linear as il
 from kernels.quant_linear import int4_from_groups, quantized_linear, quantized_linear_reference
 
-needs_kernel = pytest.mark.skipif(not il.supports(16, 32, 32), reason="no C compiler or no AVX512-VNNI here")
+needs_kernel = pytest.mark.skipif(not il.supports(16, 32, 32), reason="no C compiler, or neither AVX512-VNNI nor AVX2 here")
 
 
 def _parts(n: int, k: int, group: int, seed: int = 0):

@@ -4,27 +4,9 @@ import random
 
 import pytest
 
-from prefix_cache import BlockManager, BlockPool, NoFreeBlocksError, chain_keys
+from prefix_cache import BlockManager, BlockPool, NoFreeBlocksError
 
-NS = b"ns"
-
-
-def cache_chain(pool: BlockPool, tokens):
-    """Allocate and cache the full blocks of ``tokens`` as one chain (ref 1 each)."""
-    bs, parent, ids = pool.block_size, None, []
-    for i, key in enumerate(chain_keys(tokens, bs, (NS,))):
-        b = pool.allocate()
-        pool.register(b, key, parent, tokens[i * bs : (i + 1) * bs], NS)
-        parent = b
-        ids.append(b)
-        pool.check_integrity()
-    return ids
-
-
-def release(pool: BlockPool, ids):
-    for b in reversed(ids):
-        pool.decref(b)
-        pool.check_integrity()
+from pool_testlib import cache_chain, release
 
 
 class Clock:

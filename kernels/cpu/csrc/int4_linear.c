@@ -161,6 +161,127 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
 }
 
 int64_t ps_int4_linear_available(void) { return 1; }
+#elif defined(PS_AVX2) && defined(__F16C__)
+/* AVX2 without VNNI (AMD Zen 3): the same layout, activation digits and sums, with vpdpbusd's 4-byte dot
+ * products as vpmaddubsw (u8 x s8 -> s16 pairs: |15 * 127 * 2| < 2^15, never saturating) then vpmaddwd
+ * against ones (-> s32), as llama.cpp does on AVX2. A 16-column tile goes as two halves of 8 columns, up to 4
+ * rows a pass (16 ymm registers). Why: torch's int4 kernel ran SmolLM2's 30 layers at 9.5 ms a decode step
+ * on a 2-core AMD EPYC Zen 3 (53 MB of int4 weights: 5.6 GB/s) and the served model decoded 40 tokens/s
+ * against llama.cpp's 69-74 on the same GGUF. */
+#define PS_Q4_MB2 4
+#include <immintrin.h>
+#include <stdlib.h>
+
+static inline float ps_q4_x(const void *x, int64_t i, int bf16) {
+    return bf16 ? ps_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* ps_q4_quantize_row of the AVX-512 path, one value at a time (rintf: round to nearest even). */
+static void ps_q4_quantize_row(const void *x, int bf16, int64_t K, int8_t *hi, int8_t *lo, float *ad, float *asum) {
+    for (int64_t b = 0; b < K / PS_Q4_AB; ++b) {
+        float amax = 0.0f;
+        for (int i = 0; i < PS_Q4_AB; ++i) amax = fmaxf(amax, fabsf(ps_q4_x(x, b * PS_Q4_AB + i, bf16)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t qs = 0;
+        for (int i = 0; i < PS_Q4_AB; ++i) {
+            const float xs = ps_q4_x(x, b * PS_Q4_AB + i, bf16) * inv;
+            const float qh = rintf(xs), ql = rintf((xs - qh) * 254.0f);
+            hi[b * PS_Q4_AB + i] = (int8_t)qh;
+            lo[b * PS_Q4_AB + i] = (int8_t)ql;
+            qs += 254 * (int32_t)qh + (int32_t)ql;
+        }
+        ad[b] = amax / 127.0f;
+        asum[b] = ad[b] / 254.0f * (float)qs;
+    }
+}
+
+/* 8 columns (half ``h`` of a 16-column tile) for MB rows. */
+static inline __attribute__((always_inline)) void ps_q4_half(const int8_t *restrict hi, const int8_t *restrict lo,
+                                                             const float *restrict ad, const float *restrict asum,
+                                                             const int64_t K, const uint8_t *restrict wt,
+                                                             const uint16_t *restrict st, const int64_t G,
+                                                             float *restrict acc, const int h, const int MB) {
+    const int64_t nb = K / PS_Q4_AB;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 f[PS_Q4_MB2];
+    for (int r = 0; r < MB; ++r) f[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint16_t *sg = st + (b * PS_Q4_AB / G) * 32 + 8 * h;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 16)));
+        __m256i ih[PS_Q4_MB2], il[PS_Q4_MB2];
+        for (int r = 0; r < MB; ++r) ih[r] = il[r] = _mm256_setzero_si256();
+        for (int o = 0; o < 4; ++o) {
+            const uint8_t *src = wt + (b * 4 + o) * 64 + 32 * h;
+            _mm_prefetch((const char *)(src + PS_Q4_PF), _MM_HINT_T0);
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)src);
+            const __m256i w0 = _mm256_and_si256(raw, low), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int r = 0; r < MB; ++r) {
+                const int32_t *ah = (const int32_t *)(hi + r * K + b * PS_Q4_AB);
+                const int32_t *al = (const int32_t *)(lo + r * K + b * PS_Q4_AB);
+                ih[r] = _mm256_add_epi32(ih[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ah[2 * o])), ones));
+                ih[r] = _mm256_add_epi32(ih[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_set1_epi32(ah[2 * o + 1])), ones));
+                il[r] = _mm256_add_epi32(il[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(al[2 * o])), ones));
+                il[r] = _mm256_add_epi32(il[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_set1_epi32(al[2 * o + 1])), ones));
+            }
+        }
+        for (int r = 0; r < MB; ++r) {
+            const __m256i s = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ih[r], 8), _mm256_slli_epi32(ih[r], 1)),
+                                               il[r]);
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(ad[r * nb + b] * (1.0f / 254))), f[r]);
+            f[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(asum[r * nb + b]), f[r]);
+        }
+    }
+    for (int r = 0; r < MB; ++r) _mm256_storeu_ps(acc + r * 16 + 8 * h, f[r]);
+}
+
+int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
+    const int64_t nb = K / PS_Q4_AB, ntiles = N / 16;
+    int8_t *aq = malloc((size_t)(2 * M * K) + (size_t)(2 * M * nb) * sizeof(float));
+    if (!aq) return 1;
+    int8_t *hi = aq, *lo = aq + M * K;
+    float *ad = (float *)(aq + 2 * M * K), *asum = ad + M * nb;
+    const size_t xsize = bf16 ? 2 : 4;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+            ps_q4_quantize_row((const char *)x + r * ldx * xsize, bf16, K, hi + r * K, lo + r * K, ad + r * nb,
+                               asum + r * nb);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < ntiles; ++t) {
+            const uint8_t *wt = w + t * 8 * K;
+            const uint16_t *st = scales + t * (K / G) * 32;
+            float acc[PS_Q4_MB2 * 16];
+            for (int64_t m0 = 0; m0 < M; m0 += PS_Q4_MB2) {
+                const int mb = M - m0 < PS_Q4_MB2 ? (int)(M - m0) : PS_Q4_MB2;
+                const int8_t *a = hi + m0 * K, *l = lo + m0 * K;
+                const float *sd = ad + m0 * nb, *ss = asum + m0 * nb;
+                for (int h = 0; h < 2; ++h) {
+                    switch (mb) { /* constant MB: accumulators in registers */
+                    case 1: ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, 1); break;
+                    case 2: ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, 2); break;
+                    case 3: ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, 3); break;
+                    default: ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, 4); break;
+                    }
+                }
+                for (int r = 0; r < mb; ++r)
+                    for (int c = 0; c < 16; ++c) {
+                        const float v = acc[r * 16 + c];
+                        if (bf16)
+                            ((uint16_t *)out)[(m0 + r) * ldo + t * 16 + c] = ps_f32_to_bf16(v);
+                        else
+                            ((float *)out)[(m0 + r) * ldo + t * 16 + c] = v;
+                    }
+            }
+        }
+    }
+    free(aq);
+    return 0;
+}
+
+int64_t ps_int4_linear_available(void) { return 1; }
 #else
 int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
                        int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
