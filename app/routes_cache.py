@@ -77,6 +77,14 @@ def _token_ids(state: ServerState, req: CacheRequest) -> list[int]:
     return ids
 
 
+async def _read(request: Request) -> tuple[ServerState, CacheRequest, list[int]]:
+    """The server state, the request body and its prompt's token ids (400 / 404 / 503 as the other routes)."""
+    state = _state(request)
+    req = decode_request(await request.body(), CacheRequest)
+    state.model_name(req.model)
+    return state, req, _token_ids(state, req)
+
+
 def _json(body: msgspec.Struct) -> Response:
     return Response(content=msgspec.json.encode(body), media_type="application/json")
 
@@ -85,10 +93,7 @@ def _json(body: msgspec.Struct) -> Response:
       operation_class=api_operation(CacheRequest, CacheLookupResponse, errors=BODY_ERRORS),
       summary="How much of a prompt's prefix is cached, per tier")
 async def cache_lookup(request: Request) -> Response:
-    state = _state(request)
-    req = decode_request(await request.body(), CacheRequest)
-    state.model_name(req.model)
-    ids = _token_ids(state, req)
+    state, req, ids = await _read(request)
     found = await state.require_engine().cache_lookup(ids, cache_salt=req.cache_salt)
     return _json(CacheLookupResponse(len(ids), found["device_tokens"], found["retained_tokens"], found["host_tokens"]))
 
@@ -97,14 +102,11 @@ async def cache_lookup(request: Request) -> Response:
       operation_class=api_operation(CacheRequest, CacheRetainResponse, errors=(*BODY_ERRORS, 429, 503)),
       summary="Compute a prefix now and retain it for ttl seconds")
 async def cache_retain(request: Request) -> Response:
-    state = _state(request)
+    state, req, ids = await _read(request)
     engine = state.require_engine()
-    req = decode_request(await request.body(), CacheRequest)
-    state.model_name(req.model)
     ttl = req.ttl
     if not 0 < ttl <= RETENTION_MAX_S:
         raise OpenAIError(400, f"ttl must be in (0, {RETENTION_MAX_S:.0f}] seconds, got {ttl}.", param="ttl")
-    ids = _token_ids(state, req)
     params = SamplingParams(max_tokens=1, temperature=0.0, cache_breakpoints=((len(ids), float(ttl)),))
     state.admit(engine, 1)
     run = await Run.start(engine, state.metrics, [{"prompt_token_ids": ids}], params, f"retain-{uuid.uuid4().hex}",
@@ -118,10 +120,7 @@ async def cache_retain(request: Request) -> Response:
       operation_class=api_operation(CacheRequest, CacheReleaseResponse, errors=BODY_ERRORS),
       summary="End a prefix's retention")
 async def cache_release(request: Request) -> Response:
-    state = _state(request)
-    req = decode_request(await request.body(), CacheRequest)
-    state.model_name(req.model)
-    ids = _token_ids(state, req)
+    state, req, ids = await _read(request)
     released = await state.require_engine().cache_release(ids, cache_salt=req.cache_salt)
     return _json(CacheReleaseResponse(released))
 

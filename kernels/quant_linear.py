@@ -210,7 +210,7 @@ def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
     if qw.layout != "int8" or qw.exact_scales is None:
         return qw
     from .cpu.choices import lm_head_spans
-    from .cpu.onednn_linear import onednn_bf16_supported, onednn_linear_available, pack_weight, packed_linear
+    from .cpu.onednn_linear import onednn_bf16_supported, onednn_linear_available, pack_weight
 
     def bf16_table() -> torch.Tensor:
         return pack_weight(dequantize(qw).to(COMPUTE_DTYPE))  # oneDNN's packed form, or plain without its bf16

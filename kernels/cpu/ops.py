@@ -87,12 +87,12 @@ def pack_weight(weight, *, gated: bool = False, rows: int | None = None, large: 
         return onednn_linear.pack_weight(weight) if isinstance(weight, torch.Tensor) else weight
     if rows is None:
         rows = c_kernel_rows(weight.dtype)
-    large_form = pack_gemm_form(weight, large or gemm_forms(weight.dtype)[0])
+    large = large or gemm_forms(weight.dtype)[0]
     if rows == 0:
-        return large_form
+        return pack_gemm_form(weight, large)
     lanes = has_lanes(weight.dtype)
     small = (pack_lanes_gated if gated else pack_lanes)(weight) if lanes else weight.detach().contiguous()
-    packed = None if rows == EVERY_ROW else large_form
+    packed = None if rows == EVERY_ROW else pack_gemm_form(weight, large)  # no GEMM copy where it is never read
     return CpuLinearWeight(small, packed, tuple(weight.shape), lanes, rows, gated and lanes)
 
 
