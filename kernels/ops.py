@@ -15,8 +15,8 @@
         softcap > 0: scores become softcap * tanh(score / softcap) (kernels/masked_attention.py)
     copy_blocks(kv_cache[L,2,NB,BS,Hkv,D], pairs[P,2]) -> None
 
-Backends (``get_ops``): "torch" binds the references everywhere; "triton" the Triton attention
-kernels and the references for the rest; "cpu" the C kernels (kernels/cpu/ops.py). A set is bound
+Backends (``get_ops``): "torch" binds the references everywhere; "triton" the Triton kernels (attention,
+KV store, block copy, the elementwise ops) and cuBLAS's matmul; "cpu" the C kernels (kernels/cpu/ops.py). A set is bound
 once, at load, for one device and model dtype: where the checks a launcher makes on every call are
 already settled by then (dtype, layout of the model's own tensors), the bound op skips them; the C
 kernels still check every block id and slot they touch. ``PREFIXSERVE_DEBUG_KERNELS=1`` binds the
@@ -90,10 +90,10 @@ def reference_ops() -> KernelOps:
 
 def triton_ops() -> KernelOps:
     from .copy_blocks import copy_blocks_triton
-    from .elementwise import add_rms_norm_torch, rope_torch, silu_mul_torch
+    from .elementwise_triton import add_rms_norm_triton, rope_triton, silu_mul_triton
     from .paged_attention_decode import paged_attention_decode_triton
     from .paged_attention_prefill import paged_attention_prefill_triton
     from .store_kv import store_kv_triton
 
-    return KernelOps("triton", F.linear, add_rms_norm_torch, silu_mul_torch, rope_torch, store_kv_triton,
+    return KernelOps("triton", F.linear, add_rms_norm_triton, silu_mul_triton, rope_triton, store_kv_triton,
                      paged_attention_decode_triton, paged_attention_prefill_triton, copy_blocks_triton)

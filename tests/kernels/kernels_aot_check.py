@@ -102,4 +102,14 @@ for dt in ["bf16", "fp16", "fp32"] if FULL else ["bf16", "fp32"]:
     check(f"copy_blocks {dt}", copy_blocks._copy_blocks_kernel, typer(dt, i64_ptrs=("mapping_ptr",)),
           {"BLOCK": 4096})
 
+# The elementwise ops of the CUDA op set (kernels/elementwise_triton.py)
+from kernels import elementwise_triton  # noqa: E402
+
+for dt in ["bf16", "fp16", "fp32"] if FULL else ["bf16", "fp32"]:
+    for residual in (False, True):
+        check(f"add_rms_norm {dt} residual={residual}", elementwise_triton._add_rms_norm_kernel,
+              typer(dt, floats=("eps",)), {"HAS_RESIDUAL": residual, "BLOCK": 4096})
+    check(f"silu_mul {dt}", elementwise_triton._silu_mul_kernel, typer(dt), {"BLOCK": 1024})
+    check(f"rope {dt}", elementwise_triton._rope_kernel, typer(dt), {"BLOCK_H": 64, "BLOCK_D": 64})
+
 sys.exit(1 if failures else 0)
