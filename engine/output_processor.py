@@ -126,6 +126,7 @@ class OutputProcessor:
     def finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.structured.release(seq.seq_id)
+        self.detokenizer.release(seq.seq_id)
 
     def abort(self, request_id: str) -> bool:
         state = self.requests.pop(request_id, None)

@@ -240,7 +240,7 @@ def decode_steps(llm, vocab: int, folder: Path, env: dict, dry: bool) -> dict:
         for _ in range(steps):
             engine.step()
         out[mode] = {"step_s": round((_now(engine.device.type) - t0) / steps, 6),
-                     **device_busy(engine, engine.device.type)}
+                     **device_busy(engine, engine.device.type), "phases_ms": step_phases(engine, steps)}
     if graphs:
         graphs.enabled = True
     for request_id in ids:
@@ -258,6 +258,41 @@ def decode_steps(llm, vocab: int, folder: Path, env: dict, dry: bool) -> dict:
     best = out["graphs" if graphs else "eager"]
     out.update(step_s=best["step_s"], x_floor=best.get("x_floor"))
     return out
+
+
+PHASES = (("schedule", "scheduler", "schedule"), ("execute", "runner", "execute"),
+          ("update", "scheduler", "update_from_output"), ("outputs", "outputs", "process"))
+
+
+def step_phases(engine, steps: int) -> dict:
+    """Milliseconds a step spends in each of Engine.step's phases (execute ends when the sampled tokens reach
+    the host, so it holds the device's time); what the GPU waits for between steps is the rest."""
+    spent = {name: 0.0 for name, _, _ in PHASES}
+    originals = []
+    for name, owner_attr, method in PHASES:
+        owner = getattr(engine, owner_attr)
+        original = getattr(owner, method)
+        originals.append((owner, method, original))
+
+        def timed(*args, _name=name, _original=original, **kwargs):
+            t = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spent[_name] += time.perf_counter() - t
+
+        setattr(owner, method, timed)
+    try:
+        t0 = _now(engine.device.type)
+        for _ in range(steps):
+            engine.step()
+        wall = _now(engine.device.type) - t0
+    finally:
+        for owner, method, _ in originals:
+            delattr(owner, method)  # the instance attribute goes; the class's method shows again
+    phases = {name: round(s / steps * 1e3, 3) for name, s in spent.items()}
+    phases["other"] = round(wall / steps * 1e3 - sum(phases.values()), 3)
+    return phases
 
 
 def device_busy(engine, device: str, steps: int = 4) -> dict:
