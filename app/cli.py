@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model names clients send (default: the --model value)")
     server.add_argument("--max-waiting-requests", type=int, default=256,
                         help="requests queued beyond the running ones before new ones get 429 (default: 256)")
+    server.add_argument("--max-queued-requests", type=int, default=None,
+                        help="requests waiting in the engine (arrived, not yet running) at most, as SGLang's flag: "
+                             "a generation request arriving beyond that is refused with 503 + Retry-After "
+                             "(Anthropic routes: 529 overloaded_error) (default: no limit)")
     server.add_argument("--metrics-namespace", default="prefixserve",
                         help="prefix of every /metrics name; 'vllm' publishes vLLM's names (vllm:num_requests_running "
                         "...) so dashboards and gateways built for vLLM read them unchanged (default: prefixserve)")

@@ -3,7 +3,9 @@
 Every failure leaves the server in this shape: our own `OpenAIError`, the engine's typed errors
 (InvalidRequestError -> 400 with its param, ContextLengthExceededError -> 400
 context_length_exceeded), Litestar's own 404/405/413/validation errors, and anything unexpected
-(500, logged). Headers such as Retry-After are kept.
+(500, logged). Headers such as Retry-After are kept. A request shed under load (EngineOverloadedError:
+--max-queued-requests) is a 503 with code `overloaded` and Retry-After, on the Anthropic routes a 529
+`overloaded_error`, as Anthropic's API answers.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
+from engine.errors import ContextLengthExceededError, EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -33,6 +35,8 @@ _KINDS: dict[int, tuple[str, str | None]] = {
     500: ("server_error", "internal_error"),
     503: ("server_error", "service_unavailable"),
 }
+OVERLOADED = "overloaded"  # the code of a request shed under load (503; Anthropic's routes: 529)
+OVERLOADED_RETRY_AFTER_S = "1"
 
 
 class OpenAIError(HTTPException):
@@ -68,6 +72,10 @@ def from_exception(exc: BaseException) -> OpenAIError:
         return OpenAIError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return OpenAIError(400, str(exc), param=exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return OpenAIError(503, f"The server is overloaded ({exc.num_waiting} requests waiting, "
+                           f"--max-queued-requests {exc.limit}); retry later.", code=OVERLOADED,
+                           headers={"Retry-After": OVERLOADED_RETRY_AFTER_S})
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"The engine is not running: {exc}", headers={"Retry-After": "5"})
     if isinstance(exc, HTTPException):
@@ -102,9 +110,12 @@ def anthropic_body(error: OpenAIError) -> dict[str, Any]:
 
 
 def error_response(error: OpenAIError, anthropic: bool = False) -> Response:
+    status = error.status_code
+    if anthropic and error.code == OVERLOADED:
+        status = 529  # Anthropic's "overloaded" status (its SDK raises OverloadedError)
     return Response(
         content=msgspec.json.encode(anthropic_body(error) if anthropic else error.body()),
-        status_code=error.status_code,
+        status_code=status,
         media_type="application/json",
         headers=dict(error.headers or {}),
     )
@@ -113,8 +124,8 @@ def error_response(error: OpenAIError, anthropic: bool = False) -> Response:
 def handle_exception(request: Request, exc: Exception) -> Response:
     """The app-wide exception handler (registered for Exception: covers HTTPException too)."""
     error = from_exception(exc)
-    if error.status_code == 503 and isinstance(exc, OpenAIError):
-        # Not ready (loading, draining): what every orchestrator polls /health for, not an error to log
+    if error.status_code == 503 and isinstance(exc, (OpenAIError, EngineOverloadedError)):
+        # Not ready (loading, draining), or shed under load (counted in /metrics): not an error to log
         logger.debug("%s %s: %s", request.method, request.url.path, error.message)
     elif error.status_code >= 500:
         logger.error("%s %s failed: %s", request.method, request.url.path, error.message,

@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from app.metrics_engine import EngineCollector
 from engine.outputs import RequestOutput
@@ -81,6 +81,10 @@ class ServerMetrics:
         self.decode_time = self._histogram("request_decode_time_seconds",
                                            "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS)
         self.params_n = self._histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        # Requests refused before they were queued (--max-queued-requests): <prefix>num_requests_shed_total.
+        self.shed = Counter(self.prefix + "num_requests_shed",
+                            "Requests refused because --max-queued-requests requests were already waiting.",
+                            ["model_name"], registry=self.registry).labels(self.model_name)
         self.prompt_tokens: Histogram | None = None  # token-count histograms: buckets need max_model_len
         self.generation_tokens: Histogram | None = None
         self.max_generation_tokens: Histogram | None = None

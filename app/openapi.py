@@ -28,10 +28,12 @@ ERROR_DESCRIPTIONS = {
     409: "The server's state does not allow it now (a prefix-cache reset while requests hold KV blocks).",
     413: "The request body is larger than the server accepts.",
     429: "Overloaded: too many requests in flight. Retry after Retry-After seconds.",
-    503: "The model is still loading, the server is draining, or the engine stopped. Retry after Retry-After "
-         "seconds.",
+    503: "The model is still loading, the server is draining, the engine stopped, or the request was shed "
+         "(--max-queued-requests requests already waiting; code `overloaded`). Retry after Retry-After seconds.",
+    529: "Overloaded (Anthropic's status): --max-queued-requests requests were already waiting, so this one was "
+         "refused before it was queued. Retry after Retry-After seconds.",
 }
-_RETRY_AFTER = {429, 503}
+_RETRY_AFTER = {429, 503, 529}
 # The statuses each kind of route answers besides 200.
 GENERATE_ERRORS = (400, 401, 404, 413, 429, 503)  # /v1/completions, /v1/chat/completions
 BODY_ERRORS = (400, 401, 404, 413, 503)  # /tokenize, /detokenize

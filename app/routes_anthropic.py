@@ -47,8 +47,8 @@ async def _prepare(state: ServerState, req: MessagesRequest) -> PreparedChat:
 
 
 @post("/v1/messages", status_code=200, guards=[require_api_key], tags=["Anthropic"],
-      operation_class=api_operation(MessagesRequest, MessageResponse, stream=MessageStreamEvent, errors=GENERATE_ERRORS,
-                                    error_body=AnthropicErrorResponse),
+      operation_class=api_operation(MessagesRequest, MessageResponse, stream=MessageStreamEvent,
+                                    errors=(*GENERATE_ERRORS, 529), error_body=AnthropicErrorResponse),
       summary="Create a message (Anthropic Messages API)")
 async def create_message(request: Request) -> Response:
     state = _state(request)
@@ -67,7 +67,7 @@ async def create_message(request: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     state.admit(engine, 1)
     run = await Run.start(engine, state.metrics, [{"prompt_token_ids": prepared.prompt_token_ids}], params, message_id,
-                          priority=0, cache_salt=None)
+                          priority=0, cache_salt=None, max_queued=state.max_queued_requests)
     if req.stream:
         return sse_response(guarded_stream(_events(run, message_id, model, prepared), run, done=None,
                                            error=_stream_error), run)

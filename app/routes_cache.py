@@ -110,7 +110,7 @@ async def cache_retain(request: Request) -> Response:
     params = SamplingParams(max_tokens=1, temperature=0.0, cache_breakpoints=((len(ids), float(ttl)),))
     state.admit(engine, 1)
     run = await Run.start(engine, state.metrics, [{"prompt_token_ids": ids}], params, f"retain-{uuid.uuid4().hex}",
-                          priority=0, cache_salt=req.cache_salt)
+                          priority=0, cache_salt=req.cache_salt, max_queued=state.max_queued_requests)
     out, _ = await run.final_choice(request)
     found = await engine.cache_lookup(ids, cache_salt=req.cache_salt)
     return _json(CacheRetainResponse(len(ids), found["retained_tokens"], len(ids) - out.num_cached_tokens, ttl))

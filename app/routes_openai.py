@@ -60,7 +60,7 @@ async def create_completion(request: Request) -> Response:
     request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     state.admit(engine, len(prompts))
     run = await Run.start(engine, state.metrics, prompts, params, request_id, priority=req.priority or 0,
-                          cache_salt=req.cache_salt)
+                          cache_salt=req.cache_salt, max_queued=state.max_queued_requests)
     created = int(time.time())
 
     def prompt_text(out: RequestOutput) -> str:
@@ -145,7 +145,7 @@ async def create_chat_completion(request: Request) -> Response:
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     state.admit(engine, 1)
     run = await Run.start(engine, state.metrics, [{"prompt_token_ids": prompt_ids}], params, request_id,
-                          priority=req.priority or 0, cache_salt=req.cache_salt)
+                          priority=req.priority or 0, cache_salt=req.cache_salt, max_queued=state.max_queued_requests)
     created = int(time.time())
     decode = engine.decode_token
     if req.stream:

@@ -80,7 +80,8 @@ async def create_response(request: Request) -> Response:
 
     state.admit(engine, 1)
     run = await Run.start(engine, state.metrics, [{"prompt_token_ids": prepared.prompt_token_ids}], params,
-                          req.request_id or response_id, priority=req.priority or 0, cache_salt=req.cache_salt)
+                          req.request_id or response_id, priority=req.priority or 0, cache_salt=req.cache_salt,
+                          max_queued=state.max_queued_requests)
     if req.stream:
         event = EventWriter()
         body = guarded_stream(response_events(run, base, prepared, event, finished), run, done=None,

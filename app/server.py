@@ -52,12 +52,16 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_namespace: str = DEFAULT_NAMESPACE,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    max_queued_requests: int | None = None,
 ) -> Litestar:
     """The Litestar app serving `engine`. `engine=None` starts it in the loading state (/health 503,
     API 503 + Retry-After) until `app.state.server.attach(engine)`; then served_model_names is required.
     The app starts the engine's loop on startup; it never shuts the engine down (its owner does).
     metrics_namespace prefixes every /metrics name (`vllm` publishes vLLM's own names).
-    `max_stored_responses` bounds the in-memory store of /v1/responses results (0: store none)."""
+    `max_stored_responses` bounds the in-memory store of /v1/responses results (0: store none).
+    `max_queued_requests` (SGLang's --max-queued-requests): a generation request that arrives while that many
+    requests wait in the engine is refused before it is queued (503 + Retry-After; 529 overloaded_error on
+    the Anthropic routes); None: no limit."""
     if served_model_names:
         names = tuple(served_model_names)
     elif engine is not None:
@@ -66,6 +70,8 @@ def create_app(
         raise ValueError("served_model_names is required when the engine is not given")
     if max_waiting_requests < 0:
         raise ValueError("max_waiting_requests must be >= 0")
+    if max_queued_requests is not None and max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests must be >= 1, got {max_queued_requests}")
 
     holder: dict[str, ServerState] = {}
 
@@ -74,7 +80,8 @@ def create_app(
         return current.stats() if current is not None else None
 
     state = ServerState(engine, names, api_key or None, max_waiting_requests,
-                        ServerMetrics(stats, names[0], metrics_namespace), responses=ResponseStore(max_stored_responses))
+                        ServerMetrics(stats, names[0], metrics_namespace), max_queued_requests=max_queued_requests,
+                        responses=ResponseStore(max_stored_responses))
     holder["state"] = state
 
     def start_engine(app: Litestar) -> None:
@@ -156,7 +163,8 @@ async def _serve_async(args: argparse.Namespace, config: EngineConfig) -> int:
     app = create_app(None, served_model_names=names, api_key=args.api_key,
                      max_waiting_requests=args.max_waiting_requests,
                      metrics_namespace=getattr(args, "metrics_namespace", None) or DEFAULT_NAMESPACE,
-                     max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES))
+                     max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES),
+                     max_queued_requests=getattr(args, "max_queued_requests", None))
     state: ServerState = app.state.server
     drain_timeout = getattr(args, "drain_timeout", None)
     uv_config = uvicorn.Config(

@@ -19,6 +19,7 @@ from app.protocol import (
     ChatLogprobs, ChatMessage, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails, TopLogprob, Usage, encode,
 )
 from engine.async_engine import AsyncEngine
+from engine.errors import EngineOverloadedError
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine import openai_compat
 from engine.sampling_params import SamplingParams
@@ -130,15 +131,21 @@ class Run:
 
     @classmethod
     async def start(cls, engine: AsyncEngine, metrics: ServerMetrics, prompts: list, params: SamplingParams,
-                    request_id: str, *, priority: int, cache_salt: str | None) -> "Run":
-        """Submit every prompt; an admission error (400 ...) aborts the ones already accepted."""
+                    request_id: str, *, priority: int, cache_salt: str | None,
+                    max_queued: int | None = None) -> "Run":
+        """Submit every prompt; an admission error (400 ...) aborts the ones already accepted. `max_queued`
+        (--max-queued-requests): the engine refuses a prompt when that many requests already wait
+        (EngineOverloadedError, counted as shed; the whole call is refused)."""
         run = cls(engine)
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                run.streams.append(await engine.submit(prompt, params, rid, priority=priority, cache_salt=cache_salt))
+                run.streams.append(await engine.submit(prompt, params, rid, priority=priority, cache_salt=cache_salt,
+                                                       max_queued=max_queued))
                 run.trackers.append(metrics.tracker(params.n, params.max_tokens))
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, EngineOverloadedError):
+                metrics.shed.inc()
             await run.close()
             raise
         return run

@@ -21,6 +21,9 @@ class ServerState:
     api_key: str | None
     max_waiting_requests: int
     metrics: ServerMetrics
+    # --max-queued-requests: a generation request arriving while this many wait in the engine is refused
+    # (503 / Anthropic's 529, app/errors.py); None: no limit.
+    max_queued_requests: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     load_error: str | None = None

@@ -10,6 +10,7 @@ from engine.frontend import ModelInfo
 from engine.errors import (
     ContextLengthExceededError,
     EngineDeadError,
+    EngineOverloadedError,
     InvalidConfigError,
     InvalidRequestError,
     PrefixServeError,
@@ -22,6 +23,7 @@ from engine.tool_calls import ToolChat
 
 __all__ = [
     "AsyncEngine", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "ContextLengthExceededError", "Engine", "EngineConfig", "EngineDeadError",
-    "InvalidConfigError", "InvalidRequestError", "LLM", "Logprob", "ModelInfo", "PrefixServeError", "RequestOutput",
+    "EngineOverloadedError", "InvalidConfigError", "InvalidRequestError", "LLM", "Logprob", "ModelInfo",
+    "PrefixServeError", "RequestOutput",
     "SamplingParams", "StructuredOutputsParams", "ToolChat", "close_json_schema", "openai_compat",
 ]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine import Engine, PromptInput
-from engine.errors import EngineDeadError, InvalidRequestError, PrefixServeError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, PrefixServeError
 from engine.frontend import FrontendSurface
 from engine.outputs import RequestOutput
 from engine.process_setup import prepare_process
@@ -49,6 +49,7 @@ class _Add:
     sink: "_Sink"
     # Stamped when the caller submits, so queue time and e2e latency include the wait in the inbox.
     arrival_time: float
+    max_queued: int | None = None  # refuse (EngineOverloadedError) when this many requests already wait
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,15 @@ class AsyncEngine(FrontendSurface):
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        max_queued: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield cumulative RequestOutputs until the request finishes. Leaving the iteration early
         (closing the iterator, or being cancelled) aborts the request and frees its blocks. Errors of
         admission (InvalidRequestError, ContextLengthExceededError) are raised by the first step of
-        the iteration."""
-        return self._outputs(prompt, params, request_id, priority, cache_salt, announce=False)
+        the iteration. `max_queued`: refuse the request (EngineOverloadedError, nothing queued) when that
+        many requests are already waiting in the engine (arrived, not yet running; SGLang's
+        --max-queued-requests); None: no limit."""
+        return self._outputs(prompt, params, request_id, priority, cache_salt, max_queued, announce=False)
 
     async def submit(
         self,
@@ -159,10 +163,12 @@ class AsyncEngine(FrontendSurface):
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        max_queued: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and wait until the engine accepted it: raises its admission error here, before
-        any output, then returns the iterator of its outputs (same contract as generate())."""
-        outputs = self._outputs(prompt, params, request_id, priority, cache_salt, announce=True)
+        any output (EngineOverloadedError when `max_queued` requests already wait), then returns the
+        iterator of its outputs (same contract as generate())."""
+        outputs = self._outputs(prompt, params, request_id, priority, cache_salt, max_queued, announce=True)
         try:
             await outputs.__anext__()  # the acceptance marker
         except BaseException:
@@ -172,8 +178,10 @@ class AsyncEngine(FrontendSurface):
 
     async def _outputs(
         self, prompt: PromptInput, params: SamplingParams | None, request_id: str | None, priority: int,
-        cache_salt: str | None, *, announce: bool,
+        cache_salt: str | None, max_queued: int | None, *, announce: bool,
     ) -> AsyncGenerator:
+        if max_queued is not None and max_queued < 1:
+            raise InvalidRequestError(f"max_queued must be >= 1 or None, got {max_queued}.", param="max_queued")
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self._dead!r}")
         self.start()
@@ -182,7 +190,8 @@ class AsyncEngine(FrontendSurface):
             raise InvalidRequestError(f"request id {request_id!r} is already in use.", param="request_id")
         sink = _Sink(asyncio.get_running_loop())
         self._sinks[request_id] = sink
-        self._send(_Add(request_id, prompt, params or SamplingParams(), priority, cache_salt, sink, time.monotonic()))
+        self._send(_Add(request_id, prompt, params or SamplingParams(), priority, cache_salt, sink, time.monotonic(),
+                        max_queued))
         finished = False
         try:
             while True:
@@ -270,6 +279,14 @@ class AsyncEngine(FrontendSurface):
             if isinstance(message, _Add):
                 if self._sinks.get(message.request_id) is not message.sink:
                     continue  # the caller already left (its abort follows in the inbox)
+                if message.max_queued is not None:  # load shedding: refused before it is queued
+                    waiting = self._num_waiting(message.max_queued)
+                    if waiting >= message.max_queued:
+                        message.sink.put(EngineOverloadedError(
+                            f"the engine's queue is full: {waiting} requests waiting (max_queued "
+                            f"{message.max_queued}).",
+                            num_waiting=waiting, limit=message.max_queued))
+                        continue
                 try:
                     self.engine.add_request(
                         message.request_id, message.prompt, message.params,
@@ -295,6 +312,16 @@ class AsyncEngine(FrontendSurface):
                     sink = self._sinks.get(message.request_id)
                     if sink is not None:
                         sink.put(None)
+
+    def _num_waiting(self, limit: int) -> int:
+        """Requests in the scheduler's waiting queue (arrived or preempted, not running; what the
+        num_requests_waiting gauge counts), counted up to `limit`."""
+        ids: set[str] = set()
+        for seq in self.engine.scheduler.waiting:
+            ids.add(seq.request_id)
+            if len(ids) >= limit:
+                break
+        return len(ids)
 
     def _step(self) -> None:
         try:

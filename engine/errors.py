@@ -28,3 +28,13 @@ class InvalidConfigError(PrefixServeError, ValueError):
 
 class EngineDeadError(PrefixServeError, RuntimeError):
     """The engine loop stopped; no further requests can be served."""
+
+
+class EngineOverloadedError(PrefixServeError, RuntimeError):
+    """The engine refused a request because `max_queued` requests were already waiting (queued, not yet
+    running); nothing of the request was queued. Retry later (the server answers 503 / Anthropic's 529)."""
+
+    def __init__(self, message: str, *, num_waiting: int, limit: int) -> None:
+        super().__init__(message)
+        self.num_waiting = num_waiting
+        self.limit = limit
