@@ -25,6 +25,9 @@ HELP = {
     "enforce_eager": ("model", "CUDA: run every decode step eagerly instead of replaying CUDA graphs"),
     "tensor_parallel_size": ("parallel", "processes (ranks) the model's heads, MLP and vocabulary are split across"),
     "block_size": ("cache", "tokens per KV block (a power of two, 1-128)"),
+    "kv_cache_dtype": ("cache", "auto (the model dtype) or fp8 / fp8_e4m3: K and V stored as float8 e4m3 with "
+                                "per-layer scales of 1.0, one byte per element (twice bfloat16's blocks, four times "
+                                "float32's; greedy output may drift, docs/kv-cache.md)"),
     "num_kv_blocks": ("cache", "KV blocks in the pool (overrides the memory budgets)"),
     "kv_cache_memory": ("cache", "bytes for the KV pool (default on CPU: 1/8 of available memory, capped at what "
                                  "max-num-seqs x max-model-len tokens use)"),

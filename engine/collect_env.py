@@ -47,7 +47,8 @@ def collect_env(model: str | None = None) -> dict:
         llm = LLM(model)
         engine = llm.engine
         facts["model"] = {"name": model, "dtype": engine.config.dtype, "quantization": engine.quantization,
-                          "weight_bytes": engine.weight_bytes,
+                          "weight_bytes": engine.weight_bytes, "kv_cache_dtype": engine.config.kv_dtype_name,
+                          "kv_blocks": engine.blocks.num_blocks,
                           "kv_cache_bytes": engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()}
         choices = [c.describe() for c in engine.dispatch.choices.values()]
     else:

@@ -17,6 +17,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_TIER_POLICIES = ("auto", "always")
+# vLLM's kv_cache_dtype values we serve (kernels/kv_quant.py maps them): "auto" is the model dtype, "fp8" and
+# "fp8_e4m3" the same float8 e4m3 cache with per-tensor scales of 1.0 (no e5m2 cache)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
@@ -26,6 +29,9 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     block_size: int = 16
+    # The KV pool's element type, vLLM's kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3" (one
+    # byte per element: twice bfloat16's blocks, four times float32's, in the same memory; docs/kv-cache.md)
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # explicit pool size; overrides the memory budgets
     kv_cache_memory: int | None = None  # bytes for the KV pool (None: engine/kv_budget.py on CPU)
     gpu_memory_utilization: float = 0.9  # fraction of device memory (CUDA only)
@@ -69,6 +75,11 @@ class EngineConfig:
     # punctuation), its tokens are appended without sampling and computed with the next row.
     grammar_fast_forward: bool = True
 
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV pool's element type: the model dtype's name, or "float8_e4m3fn" for an fp8 cache."""
+        return self.dtype if self.kv_cache_dtype == "auto" else "float8_e4m3fn"
+
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise InvalidConfigError(msg)
@@ -79,6 +90,8 @@ class EngineConfig:
             bad(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}.")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             bad(f"block_size must be a power of two in [1, 128], got {self.block_size}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             bad(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -39,6 +39,7 @@ from engine.speculative import build_drafter
 from engine.speed_check import check_speed
 from engine.structured_output import StructuredOutputManager
 from kernels import get_ops
+from kernels.kv_quant import kv_cache_ops, kv_cache_torch_dtype
 from kernels.cpu.dispatch import Dispatcher
 from prefix_cache import BlockManager
 
@@ -54,6 +55,7 @@ class Engine:
         self.config = config
         self.device = _resolve_device(config.device)
         self.dtype = getattr(torch, config.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)  # the model dtype, or float8 e4m3
         folder = resolve_model(config.model)
         self.model_path = folder
         self.model_config: ModelConfig = load_model_config(folder)
@@ -77,14 +79,15 @@ class Engine:
         fingerprint = model_fingerprint(folder)
         self.blocks = BlockManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-            extra_keys=(fingerprint, config.dtype),
+            extra_keys=(fingerprint, config.dtype, *kv_cache_key(config)),
             max_retained_blocks=int(num_blocks * config.kv_retention_max_fraction),
         )
         # Host-memory and Redis KV tiers (a KVTiers with neither when both are off).
         self.tiers = build_kv_tiers(config, self.blocks, self.model_config, fingerprint)
         # vLLM-format KV events for KV-aware routers (a null object unless --kv-events-config enables them).
         self.kv_events = KVEvents(config.kv_events_config, self.blocks, self.tiers)
-        ops = get_ops(config.attention_backend, self.device, self.dtype, dispatch=self.dispatch)
+        ops = kv_cache_ops(get_ops(config.attention_backend, self.device, self.dtype, dispatch=self.dispatch),
+                           self.kv_dtype, self.dtype)  # an fp8 pool's KV ops on CPU; the same set otherwise
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
@@ -95,7 +98,7 @@ class Engine:
             model, shard_config, num_blocks, config.block_size, ops, self.device, self.dtype, config.seed,
             structured=self.structured, num_host_kv_slots=num_host_slots, kv_heads=(0, shard_config.num_kv_heads),
             total_kv_heads=self.model_config.num_kv_heads, cuda_graph_sizes=self._cuda_graph_sizes(ops),
-            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+            max_blocks_per_seq=-(-self.max_model_len // config.block_size), kv_cache_dtype=self.kv_dtype,
         )
         # Once bound: each weight in the form its kernels read, once
         self.weight_bytes_by_layout = resident_bytes_by_layout(model)
@@ -130,11 +133,12 @@ class Engine:
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         logger.info(
             "model %s (%s, %d layers, %d/%d heads) dtype=%s device=%s attention=%s; weights %.1f MiB (%s); "
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len=%d",
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB in %s; max_model_len=%d",
             config.model, self.model_config.architecture, self.model_config.num_layers, self.model_config.num_heads,
             self.model_config.num_kv_heads, config.dtype, self.device, ops.name, self.weight_bytes / 2**20,
             "dense" if self.quantization == "none" else f"quantized: int4/int8 from {self.quantization}", num_blocks,
-            config.block_size, num_blocks * config.block_size, kv_bytes / 2**20, self.max_model_len,
+            config.block_size, num_blocks * config.block_size, kv_bytes / 2**20, config.kv_dtype_name,
+            self.max_model_len,
         )
         if self.tiers.enabled:
             logger.info(
@@ -340,7 +344,8 @@ class Engine:
     # -- sizing ---------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
         cfg = self.config
-        per_block = cfg.block_size * self.model_config.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
+        # bytes per element of the pool: 1 for an fp8 cache, so a budget holds 2x bfloat16's / 4x float32's blocks
+        per_block = cfg.block_size * self.model_config.kv_bytes_per_token * torch.finfo(self.kv_dtype).bits // 8
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.kv_cache_memory is not None:
@@ -352,12 +357,18 @@ class Engine:
             chosen = default_cpu_kv_budget(block_bytes=per_block, block_size=cfg.block_size,
                                            max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                            available_bytes=available_memory_bytes())
-            logger.info(chosen.describe(per_block))
+            logger.info(chosen.describe(per_block, cfg.kv_dtype_name))
             return chosen.num_blocks
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise InvalidConfigError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes.")
         return int(num_blocks)
+
+
+def kv_cache_key(config: EngineConfig) -> tuple[str, ...]:
+    """What an fp8 cache adds to every block's extra keys (its KV differs from the model dtype's for the same
+    tokens); nothing for "auto", whose keys stay as they were."""
+    return () if config.kv_cache_dtype == "auto" else (f"kv_cache_dtype={config.kv_dtype_name}",)
 
 
 def effective_quantization(setting: str | None, model: str) -> str | None:

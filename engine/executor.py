@@ -33,6 +33,7 @@ from engine.models.parallel import TPGroup
 from engine.models.resolve import resolve_model
 from engine.models.sharding import local_config
 from kernels import get_ops
+from kernels.kv_quant import kv_cache_ops, kv_cache_torch_dtype
 
 logger = logging.getLogger("prefixserve.tp")
 
@@ -68,11 +69,12 @@ def build_shard_runner(config, rank: int, size: int, port: int, device: torch.de
     box = [None, None]
     dist.broadcast_object_list(box, src=0)
     num_blocks, num_host_slots = box
-    ops = get_ops(config.attention_backend, device, dtype)
+    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+    ops = kv_cache_ops(get_ops(config.attention_backend, device, dtype), kv_dtype, dtype)
     shard = local_config(model_config, tp)
     return ModelRunner(model, shard, num_blocks, config.block_size, ops, device, dtype, config.seed,
                        num_host_kv_slots=num_host_slots, kv_heads=(rank * shard.num_kv_heads, shard.num_kv_heads),
-                       total_kv_heads=model_config.num_kv_heads)
+                       total_kv_heads=model_config.num_kv_heads, kv_cache_dtype=kv_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

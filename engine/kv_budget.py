@@ -11,6 +11,8 @@ engine's own limits rather than a fixed 4 GiB:
 "available" is MemAvailable from /proc/meminfo, lowered to the cgroup's memory.max headroom when a
 container sets one. The prefix cache lives in the same pool (freed blocks stay indexed until evicted),
 so a larger pool keeps more prefixes; set `kv_cache_memory` or `num_kv_blocks` to choose it yourself.
+`block_bytes` counts the pool's element size: with `kv_cache_dtype="fp8"` one byte, so the same budget
+holds twice a bfloat16 pool's blocks and four times a float32 one's.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ class KVBudget:
     num_blocks: int
     reason: str  # one line for the start-up log
 
-    def describe(self, block_bytes: int) -> str:
-        return f"KV pool: {self.num_blocks} blocks ({self.num_blocks * block_bytes / _GIB:.2f} GiB), {self.reason}"
+    def describe(self, block_bytes: int, dtype: str | None = None) -> str:
+        """One line; ``dtype``: the pool's element type (an fp8 pool holds 1 byte per element)."""
+        kind = f" of {dtype}" if dtype else ""
+        return f"KV pool: {self.num_blocks} blocks{kind} ({self.num_blocks * block_bytes / _GIB:.2f} GiB), {self.reason}"
 
 
 def available_memory_bytes() -> int:

@@ -33,8 +33,11 @@ def build_kv_tiers(
 
     # Values hold whole blocks (every tensor-parallel rank's heads, gathered by rank 0), so replicas of
     # any tensor-parallel size share them: the layout of one process, rank 0 of 1.
-    namespace = layout_namespace(config.kv_redis_key_prefix, fingerprint, config.dtype, config.block_size, 0, 1)
-    layout = KVLayout(namespace, config.dtype, block_shape(model_config, config.block_size))
+    # An fp8 engine's blocks live under their own keys ("<model dtype>-float8_e4m3fn": the bytes depend on both)
+    # and say float8_e4m3fn in their header, so a model-dtype engine never reads them, nor they its.
+    kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else f"{config.dtype}-{config.kv_dtype_name}"
+    namespace = layout_namespace(config.kv_redis_key_prefix, fingerprint, kv_dtype, config.block_size, 0, 1)
+    layout = KVLayout(namespace, config.kv_dtype_name, block_shape(model_config, config.block_size))
     host = None
     if config.host_kv_cache_memory:
         if config.host_kv_cache_memory < layout.nbytes:

@@ -80,8 +80,10 @@ class ModelRunner:
         total_kv_heads: int | None = None,
         cuda_graph_sizes: list[int] | None = None,
         max_blocks_per_seq: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """``kv_heads`` (first, count) of ``total_kv_heads``: this tensor-parallel rank's KV heads.
+        ``kv_cache_dtype``: the pool's element type (None: the model dtype; float8 e4m3: kernels/kv_quant.py).
         ``cuda_graph_sizes``: decode batch sizes to capture as CUDA graphs (engine/cuda_graphs.py; None:
         every step runs eagerly), for block tables of up to ``max_blocks_per_seq`` blocks."""
         self.model, self.cfg, self.ops = model, model_config, ops
@@ -90,7 +92,7 @@ class ModelRunner:
         cfg = model_config
         t0 = time.perf_counter()
         self.kv_cache = zeroed_pool(  # [L, 2, NB, BS, Hkv, D]
-            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype, device
+            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), kv_cache_dtype or dtype, device
         )
         self.stage_seconds = {"kv pool": time.perf_counter() - t0}  # start-up stages (the engine logs them)
         self.kv_mover = KVMover(self.kv_cache, num_host_kv_slots, kv_heads, total_kv_heads)  # tier transfers

@@ -11,6 +11,9 @@ from typing import Any, Callable
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A KV cache holds a float dtype, or float8 e4m3 (kernels/kv_quant.py: the ops then take the model dtype's
+# activations and per-tensor scales)
+CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 
 _TRITON_STATE: dict[str, Any] = {}
 
@@ -108,8 +111,8 @@ def check_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> t
                 f"{op}: {name} must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], "
                 f"got shape {tuple(t.shape)}"
             )
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{op}: {name} dtype must be float32/float16/bfloat16, got {t.dtype}")
+        if t.dtype not in CACHE_DTYPES:
+            raise ValueError(f"{op}: {name} dtype must be float32/float16/bfloat16/float8_e4m3fn, got {t.dtype}")
         if t.numel() > 0 and t.stride(-1) != 1:
             raise ValueError(f"{op}: {name} last dim must be contiguous (stride 1), got strides {t.stride()}")
     if k_cache.shape != v_cache.shape:
@@ -120,6 +123,14 @@ def check_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> t
         raise ValueError(f"{op}: k_cache on {k_cache.device} but v_cache on {v_cache.device}")
     nb, bs, hkv, d = k_cache.shape
     return nb, bs, hkv, d
+
+
+def activation_dtype(cache_dtype: torch.dtype, x) -> torch.dtype:
+    """The dtype an op's query / key / value must have: the cache's, or with an fp8 cache the model dtype
+    they come in (any float dtype)."""
+    if cache_dtype == torch.float8_e4m3fn and getattr(x, "dtype", None) in FLOAT_DTYPES:
+        return x.dtype
+    return cache_dtype
 
 
 def check_float(op: str, name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype, device: torch.device) -> None:

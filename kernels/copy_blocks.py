@@ -3,7 +3,8 @@
     copy_blocks(kv_cache[L,2,NB,BS,Hkv,D], block_mapping[N,2] int64 (src, dst)) -> None
 
 For each row ``(src, dst)``: ``kv_cache[:, :, dst] = kv_cache[:, :, src]``. Rows may come in any
-order; a dst never aliases a src of the same call (and dsts are distinct).
+order; a dst never aliases a src of the same call (and dsts are distinct). An fp8 pool
+(kernels/kv_quant.py) is copied as its bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ._common import FLOAT_DTYPES, check_index, check_triton_device, lazy_jit, next_pow2
+from ._common import CACHE_DTYPES, check_index, check_triton_device, lazy_jit, next_pow2
+from .kv_quant import as_bytes
 
 # triton.language, bound by _common.lazy_jit at the first Triton launch: importing this module never
 # imports triton (the kernels' `tl.constexpr` annotations are strings, see `from __future__`).
@@ -29,8 +31,8 @@ def _validate(kv_cache, block_mapping) -> tuple[int, int]:
             f"{_OP}: kv_cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], "
             f"got shape {tuple(kv_cache.shape)}"
         )
-    if kv_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{_OP}: kv_cache dtype must be float32/float16/bfloat16, got {kv_cache.dtype}")
+    if kv_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"{_OP}: kv_cache dtype must be float32/float16/bfloat16/float8_e4m3fn, got {kv_cache.dtype}")
     _, _, _, bs, h, d = kv_cache.shape
     if kv_cache.numel() > 0 and (kv_cache.stride(5) != 1 or kv_cache.stride(4) != d or kv_cache.stride(3) != h * d):
         raise ValueError(
@@ -51,6 +53,7 @@ def copy_blocks_torch(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> No
     n, _ = _validate(kv_cache, block_mapping)
     if n == 0:
         return
+    kv_cache = as_bytes(kv_cache)  # fp8: index_copy_ has no float8 on CPU
     if n <= _LOOP_MAX_ROWS:
         # a strided copy per row moves each block once (no gathered intermediate): ~5x faster on
         # CPU for the usual handful of copy-on-write forks per step
@@ -105,6 +108,7 @@ def copy_blocks_triton(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> N
         return
     if block_mapping.stride(1) != 1:
         block_mapping = block_mapping.contiguous()
+    kv_cache = as_bytes(kv_cache)  # fp8: the e4m3 bits (the interpreter has no float8)
     num_layers = kv_cache.shape[0]
     kernel = lazy_jit(_KERNELS, _copy_blocks_kernel)
     block = min(4096, next_pow2(block_numel))

@@ -80,7 +80,7 @@ def windowed_decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale
     lens = seq_lens.to(torch.int64)
     start = (lens - window).clamp_min(0)  # [B] first visible position
     width = int((lens - start).max())
-    pos = start[:, None] + torch.arange(width)  # [B, W]
+    pos = start[:, None] + torch.arange(width, device=lens.device)  # [B, W] (on the device: CUDA too)
     valid = pos < lens[:, None]
     pos = torch.where(valid, pos, start[:, None])  # padding reads a real slot, masked out
     slots = block_tables.to(torch.int64).gather(1, pos // bs) * bs + pos % bs  # [B, W]

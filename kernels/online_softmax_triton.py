@@ -9,6 +9,10 @@ With a window a row may see no key of a tile (its window starts past it): m' sta
 the exponents are taken against 0 instead, so a = p = 0 rather than NaN. Without one every row sees
 key 0 in its first tile, so the guard is compiled in only for WINDOWED.
 
+An fp8 cache arrives as its e4m3 bits (uint8 pointers): each K / V tile is widened to float32, scaled
+(k_scale, v_scale) and cast to the query's dtype before the products, so the dots run as for a model-dtype
+cache (tensor cores in bfloat16 / float16). Which kind of cache a kernel reads is known when it compiles.
+
 Scores are in log2 units (qk_scale = softmax scale * log2 e), so exp2 replaces exp. Like the
 kernels, the function refers to a module global ``tl`` bound at the first launch (see
 _common.lazy_jit): importing this module never imports triton.
@@ -25,7 +29,7 @@ _JITTED: dict = {}
 
 
 def paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, kv_end, q_pos, offs_d, d_mask, block_size,
-                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, softcap_log2,
+                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, softcap_log2, k_scale, v_scale,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                   WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     # q: [ROWS, BLOCK_D]; m_i, l_i: [ROWS]; acc: [ROWS, BLOCK_D]; positions n0 .. n0 + BLOCK_N - 1
@@ -38,6 +42,8 @@ def paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, kv_end, q_pos, o
     kv_mask = p_mask[:, None] & d_mask[None, :]
     k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
                 other=0.0)
+    if k_head.dtype.element_ty == tl.uint8:  # fp8 e4m3 bits: float32 * scale, then the query's dtype
+        k = (k.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
     if UPCAST:
         k = k.to(tl.float32)
     if IEEE:
@@ -66,6 +72,8 @@ def paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, kv_end, q_pos, o
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
                 other=0.0)
+    if v_head.dtype.element_ty == tl.uint8:
+        v = (v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * v_scale).to(q.dtype)
     if UPCAST:
         v = v.to(tl.float32)
     if IEEE:

@@ -1,12 +1,14 @@
 """paged_attention_decode: one new query token per sequence against its paged KV.
 
     paged_attention_decode(query[B,Hq,D], k_cache, v_cache, block_tables[B,max_blocks] int32,
-                           seq_lens[B] int32, scale: float) -> out[B,Hq,D]
+                           seq_lens[B] int32, scale: float, window=0, softcap=0.0,
+                           k_scale=1.0, v_scale=1.0) -> out[B,Hq,D]
 
 Sequence ``b`` attends to its positions ``0 .. seq_lens[b]-1``; position ``p`` lives in block
 ``block_tables[b, p // block_size]`` at offset ``p % block_size``. Block-table entries past
 ``seq_lens[b]`` are never read. ``Hq % Hkv == 0`` (query head ``h`` uses KV head ``h // (Hq//Hkv)``).
-A sequence with ``seq_len == 0`` gets a zero output row.
+A sequence with ``seq_len == 0`` gets a zero output row. An fp8 cache (kernels/kv_quant.py) is read as
+``float32(stored) * k_scale`` (``v_scale``) in the query's dtype; a model-dtype cache ignores the scales.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from . import _common
 from ._common import (
+    activation_dtype,
     cdiv,
     check_cache_pair,
     check_float,
@@ -36,6 +39,7 @@ from .masked_attention import (
     window_or_softcap_applies,
     windowed_decode_torch,
 )
+from .kv_quant import as_bytes, check_scales, dequantized_blocks, is_fp8
 from .online_softmax_triton import bind_into
 
 # triton.language, bound by _common.lazy_jit at the first Triton launch: importing this module never
@@ -47,11 +51,14 @@ _OP = "paged_attention_decode"
 _IDX = (torch.int32, torch.int64)
 
 
-def _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window=0, softcap=0.0):
+def _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window=0, softcap=0.0, k_scale=1.0,
+              v_scale=1.0):
     nb, bs, hkv, d = check_cache_pair(_OP, k_cache, v_cache)
     check_window_softcap(_OP, window, softcap)
+    if is_fp8(k_cache):
+        check_scales(_OP, k_scale, v_scale)
     dev = k_cache.device
-    check_float(_OP, "query", query, 3, k_cache.dtype, dev)
+    check_float(_OP, "query", query, 3, activation_dtype(k_cache.dtype, query), dev)
     b, hq, dq = query.shape
     if dq != d:
         raise ValueError(f"{_OP}: query head_dim {dq} != cache head_dim {d}")
@@ -83,6 +90,8 @@ def paged_attention_decode_torch(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Torch reference (and CPU production path) of :func:`paged_attention_decode_triton`.
 
@@ -92,9 +101,14 @@ def paged_attention_decode_torch(
     batch at once elsewhere). GQA without repeating KV: the G query heads of a KV group act as G
     query positions against ``[n, Hkv, Kmax, D]`` keys. Computes in the input dtype.
     On CPU, sequences that share prefix blocks (per group of rows with the same first block) read
-    the distinct blocks once instead (:func:`_decode_by_prefix_group`).
+    the distinct blocks once instead (:func:`_decode_by_prefix_group`). An fp8 cache: the same over the
+    blocks read, dequantized to the query's dtype (kv_quant.dequantized_blocks).
     """
-    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                      k_scale, v_scale)
+    if is_fp8(k_cache):
+        k, v, tables = dequantized_blocks(k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, query.dtype)
+        return paged_attention_decode_torch(query, k, v, tables, seq_lens, scale, window, softcap)
     if b == 0:
         return query.new_empty((0, hq, d))
     g = hq // hkv
@@ -304,6 +318,8 @@ def _decode_kernel(
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window (WINDOWED): the query sees its last `window` positions
     softcap_log2,  # soft cap * log2(e) (SOFTCAP)
+    k_scale,  # an fp8 cache's (a uint8 k_cache_ptr: e4m3 bits) dequantization scales
+    v_scale,
     tokens_per_split,
     stride_qb,
     stride_qh,
@@ -363,7 +379,7 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc = paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, end, seq_len - 1, offs_d, d_mask,
                                       block_size, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window,
-                                      softcap_log2, BLOCK_N, False, UPCAST, IEEE, WINDOWED, SOFTCAP)
+                                      softcap_log2, k_scale, v_scale, BLOCK_N, False, UPCAST, IEEE, WINDOWED, SOFTCAP)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -450,9 +466,11 @@ def _default_num_splits(b: int, hkv: int, max_ctx: int, device: torch.device) ->
 
 
 def _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, block_n=None, window=0,
-            softcap=0.0):
-    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+            softcap=0.0, k_scale=1.0, v_scale=1.0):
+    b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                      k_scale, v_scale)
     check_triton_device(_OP, k_cache.device)
+    k_cache, v_cache = as_bytes(k_cache), as_bytes(v_cache)  # fp8: the e4m3 bits (the interpreter has no float8)
     out = _common.alloc_output((b, hq, d), query.dtype, query.device)
     if b == 0:
         return out
@@ -488,6 +506,8 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=N
         float(scale) * 1.4426950408889634,
         int(window),
         float(softcap) * 1.4426950408889634,
+        float(k_scale),
+        float(v_scale),
         tokens_per_split,
         query.stride(0),
         query.stride(1),
@@ -541,6 +561,9 @@ def paged_attention_decode_triton(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache (Triton). Returns ``[B, Hq, D]`` in query's dtype."""
-    return _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap)
+    return _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap,
+                   k_scale=k_scale, v_scale=v_scale)

@@ -1,13 +1,15 @@
 """paged_attention_prefill: causal attention of new tokens (prefill / chunked prefill / prefix hits).
 
     paged_attention_prefill(query[T,Hq,D], k_cache, v_cache, block_tables[S,max_blocks] int32,
-                            seq_lens[S] int32, query_start_loc[S+1] int32, scale: float) -> out[T,Hq,D]
+                            seq_lens[S] int32, query_start_loc[S+1] int32, scale: float, window=0,
+                            softcap=0.0, k_scale=1.0, v_scale=1.0) -> out[T,Hq,D]
 
 Sequence ``s`` owns query rows ``query_start_loc[s] .. query_start_loc[s+1]-1``; these
 ``q_len`` queries are its LAST ``q_len`` positions (absolute positions
 ``seq_len - q_len .. seq_len - 1``). The new tokens' K/V must already be in the cache (store_kv
 runs first); all K/V is read through the block table. Causal: the query at absolute position
-``p`` sees keys ``0 .. p``. Block-table entries past ``seq_len`` are never read.
+``p`` sees keys ``0 .. p``. Block-table entries past ``seq_len`` are never read. An fp8 cache
+(kernels/kv_quant.py) is read as ``float32(stored) * k_scale`` (``v_scale``) in the query's dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from . import _common
 from ._common import (
+    activation_dtype,
     cdiv,
     check_cache_pair,
     check_float,
@@ -31,6 +34,7 @@ from ._common import (
 )
 
 from .masked_attention import check_window_softcap, masked_paged_attention_torch, window_or_softcap_applies
+from .kv_quant import as_bytes, check_scales, dequantized_blocks, is_fp8
 from .online_softmax_triton import bind_into
 from .prefill_cpu import prefill_cpu
 
@@ -43,11 +47,14 @@ _OP = "paged_attention_prefill"
 _IDX = (torch.int32, torch.int64)
 
 
-def _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=0, softcap=0.0):
+def _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=0, softcap=0.0,
+              k_scale=1.0, v_scale=1.0):
     nb, bs, hkv, d = check_cache_pair(_OP, k_cache, v_cache)
     check_window_softcap(_OP, window, softcap)
+    if is_fp8(k_cache):
+        check_scales(_OP, k_scale, v_scale)
     dev = k_cache.device
-    check_float(_OP, "query", query, 3, k_cache.dtype, dev)
+    check_float(_OP, "query", query, 3, activation_dtype(k_cache.dtype, query), dev)
     t, hq, dq = query.shape
     if dq != d:
         raise ValueError(f"{_OP}: query head_dim {dq} != cache head_dim {d}")
@@ -104,16 +111,22 @@ def paged_attention_prefill_torch(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Torch reference (and CPU production path) of :func:`paged_attention_prefill_triton`.
 
     On CPU: kernels/prefill_cpu.py (flash-attention calls over parts of the keys, merged by their
     log-sum-exps). Elsewhere one SDPA call per sequence on its gathered K/V. GQA without copying KV:
     the query is viewed as ``[Hkv, G, q_len, D]`` and K/V are broadcast (stride 0) over G, which
-    measured 1.7-3x faster on CPU than ``enable_gqa=True`` (and faster than repeating KV).
+    measured 1.7-3x faster on CPU than ``enable_gqa=True`` (and faster than repeating KV). An fp8 cache:
+    the same over the blocks read, dequantized to the query's dtype (kv_quant.dequantized_blocks).
     """
     t, hq, d, s, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                         window, softcap)
+                                         window, softcap, k_scale, v_scale)
+    if is_fp8(k_cache):
+        k, v, tables = dequantized_blocks(k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, query.dtype)
+        return paged_attention_prefill_torch(query, k, v, tables, seq_lens, query_start_loc, scale, window, softcap)
     out = query.new_empty((t, hq, d))
     if t == 0 or s == 0:
         return out
@@ -166,6 +179,8 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window (WINDOWED): a query at p sees keys p-window+1 .. p
     softcap_log2,  # soft cap * log2(e) (SOFTCAP)
+    k_scale,  # an fp8 cache's (a uint8 k_cache_ptr: e4m3 bits) dequantization scales
+    v_scale,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -248,7 +263,8 @@ def _prefill_kernel(
         for n0 in range(kv_start, kv_end, BLOCK_N):
             m_i, l_i, acc = paged_kv_tile(q, m_i, l_i, acc, bt_row, k_head, v_head, n0, kv_end, q_pos, offs_d,
                                           d_mask, block_size, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                          window, softcap_log2, BLOCK_N, True, UPCAST, IEEE, WINDOWED, SOFTCAP)
+                                          window, softcap_log2, k_scale, v_scale, BLOCK_N, True, UPCAST, IEEE,
+                                          WINDOWED, SOFTCAP)
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -263,10 +279,11 @@ _KERNELS: dict = {}
 
 
 def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, block_m=None, block_n=None,
-            window=0, softcap=0.0):
+            window=0, softcap=0.0, k_scale=1.0, v_scale=1.0):
     t, hq, d, s, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                         window, softcap)
+                                         window, softcap, k_scale, v_scale)
     check_triton_device(_OP, k_cache.device)
+    k_cache, v_cache = as_bytes(k_cache), as_bytes(v_cache)  # fp8: the e4m3 bits (the interpreter has no float8)
     out = _common.alloc_output((t, hq, d), query.dtype, query.device)
     if t == 0 or s == 0:
         return out
@@ -291,6 +308,8 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sc
         float(scale) * 1.4426950408889634,
         int(window),
         float(softcap) * 1.4426950408889634,
+        float(k_scale),
+        float(v_scale),
         s,
         query.stride(0),
         query.stride(1),
@@ -329,7 +348,9 @@ def paged_attention_prefill_triton(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal prefill attention over the paged KV cache (Triton). Returns ``[T, Hq, D]``."""
     return _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=window,
-                   softcap=softcap)
+                   softcap=softcap, k_scale=k_scale, v_scale=v_scale)

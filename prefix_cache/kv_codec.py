@@ -19,7 +19,7 @@ Layout (all integers little-endian)::
       16s  block key the value was written for
       16s  parent block key (16 zero bytes for a first block)
       16s  namespace digest: xxh3_128 of the block's encoded extra keys (cache_salt included)
-      u8   dtype name length, then the ASCII dtype name ("float32", "bfloat16", "float16")
+      u8   dtype name length, then the ASCII dtype name ("float32", "bfloat16", "float16", "float8_e4m3fn")
       u8   ndim, then ndim x u32 shape
       u32  number of tokens T, then T x u32 token ids (the hit is confirmed token by token)
       u64  payload length P
@@ -45,7 +45,7 @@ _FIXED = struct.Struct("<4sHHI16s")
 _U8 = struct.Struct("<B")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # float8: an fp8 KV cache
 
 TRUNCATED = "truncated"
 CORRUPT = "corrupt"

@@ -4,7 +4,8 @@ Keys::
 
     <prefix>:kv:v<format>:<model fingerprint>:<dtype>:bs<block_size>:tp<rank>of<size>:<block key hex>
 
-(``KVLayout.namespace`` is everything before the block key.)  Values are ``kv_codec`` bytes:
+(``KVLayout.namespace`` is everything before the block key; ``<dtype>`` is the model dtype, followed by
+``-float8_e4m3fn`` for an fp8 KV cache, whose values also name float8_e4m3fn as their dtype.)  Values are ``kv_codec`` bytes:
 self-describing and checksummed, never pickle.  A value that is corrupt, truncated or foreign is
 ignored and counted; the engine then recomputes the block and its write-through replaces it.
 

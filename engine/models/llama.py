@@ -99,6 +99,10 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [D]
     attn_out_norm: torch.Tensor | None = None  # [hidden] (Gemma's sandwich norms; None elsewhere)
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
+    # An fp8 KV cache's per-tensor scales (kernels/kv_quant.py, vLLM's k_scale / v_scale): stored = x / scale. 1.0,
+    # as vLLM without checkpoint scales; a model-dtype cache ignores them.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @classmethod
     def of(cls, layer: DecoderLayer, pack: Callable[[torch.Tensor], torch.Tensor],
@@ -235,12 +239,13 @@ class LlamaForCausalLM(nn.Module):
             q, k = qk[:, :Hq], qk[:, Hq:]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)  # [T, Hkv, D]
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]  # [NB, BS, Hkv, D]
-            ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+            ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=w.k_scale, v_scale=w.v_scale)
             if nd == T:  # decode-only step (beams, samples, batches of decodes)
                 out = ops.paged_attention_decode(q, k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens,
-                                                 attn.scale, window=window, softcap=softcap)  # [T, Hq, D]
+                                                 attn.scale, window=window, softcap=softcap, k_scale=w.k_scale,
+                                                 v_scale=w.v_scale)  # [T, Hq, D]
             else:
-                out = self._mixed_attention(ops, q, k_cache, v_cache, attn, window, softcap)
+                out = self._mixed_attention(ops, q, k_cache, v_cache, attn, window, softcap, w)
             x = self.tp.all_reduce(ops.linear(out.reshape(T, Hq * D), w.o, w.o_bias))  # [T, hidden]
             if w.attn_out_norm is not None:  # Gemma: normalise the attention output before the residual add
                 x = ops.add_rms_norm(x, None, w.attn_out_norm, eps)[0]
@@ -285,16 +290,17 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _mixed_attention(ops: KernelOps, q, k_cache, v_cache, attn: AttentionMetadata, window: int,
-                         softcap: float) -> torch.Tensor:
+                         softcap: float, w: LayerWeights) -> torch.Tensor:
         """Decodes (the first num_decode_tokens rows) and prefill chunks (the rest): [T, Hq, D]."""
         nd = attn.num_decode_tokens
         prefill = ops.paged_attention_prefill(q[nd:], k_cache, v_cache, attn.prefill_block_tables,
                                               attn.prefill_seq_lens, attn.prefill_query_start_loc, attn.scale,
-                                              window=window, softcap=softcap)
+                                              window=window, softcap=softcap, k_scale=w.k_scale, v_scale=w.v_scale)
         if not nd:
             return prefill
         decode = ops.paged_attention_decode(q[:nd], k_cache, v_cache, attn.decode_block_tables,
-                                            attn.decode_seq_lens, attn.scale, window=window, softcap=softcap)
+                                            attn.decode_seq_lens, attn.scale, window=window, softcap=softcap,
+                                            k_scale=w.k_scale, v_scale=w.v_scale)
         return torch.cat((decode, prefill))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32

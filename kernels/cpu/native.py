@@ -7,6 +7,7 @@ found, the build fails, or ``PREFIXSERVE_NATIVE_KERNELS=0`` is set, :func:`nativ
 returns None and callers keep the torch path (a warning says why, once).
 
 One source file per op under csrc/: paged_attention_decode.c, paged_attention_prefill.c, store_kv.c,
+kv_fp8.c (store_kv and decode attention with an fp8 e4m3 KV cache, kernels/kv_quant.py),
 linear.c (float32 / bfloat16 for a few rows: decode of beams, samples and small batches),
 int4_linear.c (weight-only int4 with int8 activations on AVX512-VNNI), and the
 decoder layer's fused elementwise ops add_rms_norm.c, silu_mul.c, rope.c (their shared rounding
@@ -39,8 +40,10 @@ DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"{op}.c" for op in ("paged_attention_decode", "paged_attention_prefill", "store_kv", "linear",
-                                             "add_rms_norm", "silu_mul", "rope", "int4_linear", "top_p", "lanes_linear"))
-HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h", CSRC / "flash_item.h", CSRC / "flash_amx.h")
+                                             "add_rms_norm", "silu_mul", "rope", "int4_linear", "top_p", "lanes_linear",
+                                             "kv_fp8"))
+HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h", CSRC / "flash_item.h", CSRC / "flash_amx.h",
+           CSRC / "decode_tile.h")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
@@ -55,6 +58,9 @@ DECODE_ARGTYPES = [_P] * 6 + [_I64] * 7 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 +
 # Hq, Hkv, D, BS, bt_stride, num_blocks; q_st, q_sh; k_sb, k_ss, k_sh; v_sb, v_ss, v_sh; o_st, o_sh;
 # scale; nthreads -> 1 on a bad block id, 2 on a short workspace, 3 on more queries than positions
 PREFILL_ARGTYPES = [_P] * 8 + [_I64] * 8 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 + [_I64] * 2 + [_F, _INT]
+# The fp8 decode (csrc/kv_fp8.c): DECODE_ARGTYPES up to the scale, then k_scale, v_scale, window, nthreads
+# (no scratch: no shared-prefix phase) -> 1 on a bad block id
+DECODE_FP8_ARGTYPES = DECODE_ARGTYPES[:23] + [_F, _F, _F, _I64, _INT]
 # x, packed weight, scales, out; M, N, K, group, x row stride, out row stride; bf16; nthreads -> 1 on no memory
 INT4_LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 6 + [_INT, _INT]
 # x, weight (or its lanes layout), bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
@@ -62,6 +68,9 @@ LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
 # key, value, k_cache, v_cache, slots (int64); T, row bytes, key/value token strides, cache slot
 # strides (bytes), number of slots -> 1 on a slot outside the pool
 STORE_KV_ARGTYPES = [_P] * 5 + [_I64] * 7
+# key, value, k_cache, v_cache, slots (int64); T, row elements, key/value token strides (elements), cache slot
+# strides (bytes), number of slots; k_scale, v_scale -> 1 on a slot outside the pool (csrc/kv_fp8.c)
+STORE_KV_FP8_ARGTYPES = [_P] * 5 + [_I64] * 7 + [_F, _F]
 # x, h (NULL: no residual add), w, res, out; rows, H, x/h/res/out row strides; eps; nthreads
 RMS_NORM_ARGTYPES = [_P] * 5 + [_I64] * 6 + [_F, _INT]
 # gate_up, out; rows, I, gate_up/out row strides; nthreads
@@ -101,6 +110,9 @@ class NativeKernels:
     prefill_amx: bool  # bfloat16 prefill (head_dim a multiple of 64) on AMX tiles (csrc/flash_amx.h)
     lanes_gated_f32: ctypes._CFuncPtr | None = None  # gate_up linear + SiLU-and-multiply on the gated lanes layout
     lanes_gated_bf16: ctypes._CFuncPtr | None = None  # (csrc/lanes_linear.c); None where lanes_* is
+    # An fp8 e4m3 KV cache with float32 / bfloat16 activations (csrc/kv_fp8.c), keyed by DTYPE_SUFFIX
+    store_kv_fp8: dict | None = None
+    decode_fp8: dict | None = None
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
     # stack alike. Callers check the dtype with has_dtype first.
@@ -125,6 +137,12 @@ class NativeKernels:
 
     def elementwise_for(self, op: str, dtype) -> ctypes._CFuncPtr:
         return self.elementwise[f"{op}_{DTYPE_SUFFIX[dtype]}"]
+
+    def store_kv_fp8_for(self, dtype) -> ctypes._CFuncPtr:
+        return self.store_kv_fp8[DTYPE_SUFFIX[dtype]]
+
+    def decode_fp8_for(self, dtype) -> ctypes._CFuncPtr:
+        return self.decode_fp8[DTYPE_SUFFIX[dtype]]
 
 
 def _cache_root() -> Path:
@@ -271,10 +289,18 @@ def _load(path: Path) -> NativeKernels:
         fused.argtypes, fused.restype = LINEAR_ARGTYPES, None
         lanes.append(fn if available() else None)
         gated.append(fused if available() else None)
+    store_fp8, decode_fp8 = {}, {}
+    for dtype in ("f32", "bf16"):
+        fn = getattr(lib, f"ps_store_kv_fp8_{dtype}")
+        fn.argtypes, fn.restype = STORE_KV_FP8_ARGTYPES, ctypes.c_int64
+        store_fp8[dtype] = fn
+        fn = getattr(lib, f"ps_paged_decode_fp8_{dtype}")
+        fn.argtypes, fn.restype = DECODE_FP8_ARGTYPES, ctypes.c_int64
+        decode_fp8[dtype] = fn
     return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, int4_linear, elementwise,
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
                          lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes, lib.ps_race,
-                         bool(lib.ps_prefill_on_amx()), *gated)
+                         bool(lib.ps_prefill_on_amx()), *gated, store_kv_fp8=store_fp8, decode_fp8=decode_fp8)
 
 
 @functools.cache

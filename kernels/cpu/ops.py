@@ -309,7 +309,8 @@ class _BoundCpuOps:
 
     # key/value: [T, Hkv, D], each token's heads contiguous; caches [NB, BS, Hkv, D] contiguous;
     # slot_mapping int64 contiguous.
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    # k_scale / v_scale: an fp8 pool's (kernels/kv_quant.py), which binds fp8_kv.fp8_cpu_ops instead: ignored here.
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         nb, bs, hkv, d = k_cache.shape
         size = key.element_size()
         bad = self.native.store_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -322,7 +323,7 @@ class _BoundCpuOps:
     # query [B, Hq, D] (head rows contiguous); block_tables [B, W] int32 contiguous with W covering
     # every seq_len; seq_lens [B] int32 -- as the model runner builds them.
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, window: int = 0,
-               softcap: float = 0.0) -> torch.Tensor:
+               softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         b, hq, d = query.shape
         nb, bs, hkv, _ = k_cache.shape
         n = self.native

@@ -22,7 +22,8 @@ sequence reads the shared blocks itself, from cache. Measured per layer on a 2-c
 benchmarks/cpu_kernels.py, results/amd-zen5-avx512bf16/cpu_kernels.json); GSP's bfloat16
 decode attention 1.35 -> 0.79 s (`benchmarks/profile_gsp.py`); in float32, 4 x 16 1.52-1.63 -> 1.00-1.07 ms
 and 8 samples 0.18 -> 0.14 ms. The C kernels take their scratch
-memory from the caller (kernels/cpu/scratch.py); the bound op set keeps one.
+memory from the caller (kernels/cpu/scratch.py); the bound op set keeps one. An fp8 cache goes to
+kernels/cpu/fp8_kv.py (``k_scale`` / ``v_scale`` are ignored otherwise).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import ctypes
 import torch
 
 from .._common import cdiv
+from .fp8_kv import paged_attention_decode_fp8_cpu, paged_attention_prefill_fp8_cpu
 from .native import NativeKernels, cpu_has_amx, cpu_has_avx2, cpu_has_avx512, native_kernels
+from ..kv_quant import is_fp8
 from .scratch import Scratch
 from ..masked_attention import window_or_softcap_applies
 from ..paged_attention_decode import _validate, paged_attention_decode_torch
@@ -52,6 +55,8 @@ def paged_attention_decode_cpu(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     scratch: Scratch | None = None,
 ) -> torch.Tensor:
@@ -61,6 +66,9 @@ def paged_attention_decode_cpu(
     float32 and bfloat16, the math in float32, except that with AVX512-BF16 bfloat16 runs both products
     on bf16 pairs (vdpbf16ps), the probabilities rounded to bfloat16 before P.V as in prefill: within
     2^-9 of the largest |V| of the float32 math, 1.4x faster per layer (csrc/paged_attention_decode.c)."""
+    if is_fp8(k_cache):
+        return paged_attention_decode_fp8_cpu(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                              k_scale, v_scale)
     b, hq, d, nb, bs, hkv = _validate(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     native = native_kernels()
     if native is None or not _supported(native, query, k_cache, v_cache, hq // hkv, d, bs) or softcap > 0:
@@ -124,6 +132,8 @@ def paged_attention_prefill_cpu(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     scratch: Scratch | None = None,
 ) -> torch.Tensor:
@@ -140,6 +150,9 @@ def paged_attention_prefill_cpu(
     (csrc/flash_amx.h; vdpbf16ps issues every second cycle on the 2-core Xeon measured): per layer
     1x2048 6.5-6.7 ms vs SDPA's 13.0 (SDPA also multiplies on AMX), a 512 chunk after 1,536 1.8-2.0x
     SDPA; a library built without the AMX item leaves bfloat16 on AMX CPUs to the reference (SDPA)."""
+    if is_fp8(k_cache):
+        return paged_attention_prefill_fp8_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                               window, softcap, k_scale, v_scale, scratch=scratch)
     t, hq, d, s, nb, bs, hkv = _validate_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                                  window, softcap)
     native = native_kernels()

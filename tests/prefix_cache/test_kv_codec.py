@@ -48,6 +48,18 @@ def test_bfloat16_layout_round_trip():
     assert bytes(block.payload) == PAYLOAD[:64]
 
 
+def test_fp8_layout_round_trip_and_never_read_as_the_model_dtype():
+    """An fp8 KV cache's blocks: one byte per element, under their own namespace; a value of one never decodes
+    under a model-dtype layout, even one with the same namespace (the dtype in the header differs)."""
+    fp8 = KVLayout("prefixserve:kv:v1:abc:float32-float8_e4m3fn:bs4:tp0of1", "float8_e4m3fn", (2, 2, 4, 1, 2))
+    assert fp8.nbytes == 32
+    value = encode_block(fp8, META, PAYLOAD[:32])
+    assert bytes(decode_block(value, fp8, KEY).payload) == PAYLOAD[:32]
+    assert _reason(value, LAYOUT) == FOREIGN  # another namespace
+    assert _reason(value, KVLayout(fp8.namespace, "float32", fp8.shape)) == FOREIGN  # same namespace, float32
+    assert _reason(encode_block(LAYOUT, META, PAYLOAD), fp8) == FOREIGN
+
+
 def test_encode_rejects_a_payload_of_the_wrong_size():
     with pytest.raises(ValueError):
         encode_block(LAYOUT, META, PAYLOAD[:-1])

@@ -23,12 +23,11 @@
  * A prefix shared by many sequences goes through flash items first and the item above starts from
  * their state (m, l, acc) at the first key after it: see "Shared prefixes" below.
  */
+#include "decode_tile.h"
 #include "flash_item.h"
 #include "ps_cpu.h"
 
-#define PS_MAX_G 16
-#define PS_MAX_D 256
-#define PS_MAX_BS 128
+/* PS_MAX_G, PS_MAX_D and PS_MAX_BS (the items' limits) are in decode_tile.h. */
 
 /* One work item, (sequence b, KV head h): q, kc, vc and out already point at head h's G query rows,
  * KV column and output rows; bt_row is sequence b's block table. always_inline, so the callers
@@ -113,28 +112,7 @@
  *         s[g] = ps_hsum16(part[g])                          (lane t = score of token t; lanes >= nt: -inf)
  *         online softmax on the 16 lanes, then acc[g][v] += p[g][t] * V[t][v] for each token
  */
-static const int PS_PERM[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-
-/* The lanes of a tile of nt tokens (nt <= 16) that are read: those < nt, less the first skip (tokens before
- * a sliding window's start; skip <= 0: none). */
-static inline __mmask16 ps_tile_valid(const int64_t nt, const int64_t skip) {
-    return (__mmask16)((nt == 16 ? 0xffffu : (1u << nt) - 1u) & (skip <= 0 ? 0xffffu : skip >= 16 ? 0u : ~((1u << skip) - 1u)));
-}
-
-static inline __m512 ps_hsum16(const __m512 *a) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; ++i) /* 256-bit halves */
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(a[i], a[i + 8], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 4; ++i) /* 128-bit quarters */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[i], b[i + 4], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int i = 0; i < 2; ++i) /* pairs within 128-bit lanes */
-        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(c[i], c[i + 2], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
+/* PS_PERM, ps_tile_valid and ps_hsum16 live in decode_tile.h (the fp8 decode items, kv_fp8.c, use them too). */
 
 #define PS_LOADV_F32(p) _mm512_loadu_ps(p)
 #define PS_LOADV_BF16(p) ps_load16_bf16((p), (__mmask16)0xffff)
