@@ -35,6 +35,7 @@ def test_every_step_runs_and_reports(dry_run):
     assert steps["env"]["memory_bytes_per_s"] > 0 and steps["env"]["bf16_flops_per_s"] > 0
     assert steps["kernels"]["counts"]["passed"] > 0 and not steps["kernels"]["counts"].get("failed")
     assert {"llama", "gemma3"} <= set(steps["parity"]["models"])
+    assert steps["llama-1b"]["kv_fp8"]["fp8"]["kv_dtype"] == "torch.float8_e4m3fn"
     assert all(m["ok"] and m["identical"] == m["prompts"] for m in steps["parity"]["models"].values())
     for shape in ("llama-1b",):  # the 8B step is the same code at another shape (skipped on the CPU)
         assert set(steps[shape]["workloads"]) == JOBS

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 # (name, seconds allowed on the GPU). The sum stays under 8 minutes with the wheels' install.
 # Measured on an H200 (benchmarks/results/h200): run 1 took 9, 65, 43, 69, 125 and 18 s (333 s in all with
 # the install), run 2 11, 80, 60 (cut at its limit just after its last model), 73, 120 and 21 s (369 s).
-STEPS = (("env", 25), ("kernels", 90), ("parity", 80), ("llama-1b", 95), ("llama-8b", 150), ("serve", 40))
+STEPS = (("env", 25), ("kernels", 110), ("parity", 80), ("llama-1b", 115), ("llama-8b", 150), ("serve", 30))
 DRY_RUN_LIMIT_S = 120  # per step, on a 2-core CPU
 DRY_RUN_SKIPS = ("llama-8b",)  # on the CPU both shapes are the same tiny model: llama-1b covers the code
 
@@ -188,6 +188,11 @@ def summary_line(report: dict) -> str:
         if d and d.get("x_floor"):
             eager = f" (eager {d['eager']['step_s'] * 1e3:.1f})" if "graphs" in d else ""
             parts.append(f"{shape} decode@{d['batch']} {d['step_s'] * 1e3:.1f} ms/step{eager} = {d['x_floor']:.2f}x floor")
+        f8 = steps.get(shape, {}).get("kv_fp8")
+        if f8 and "fp8" in f8:
+            step = f8["fp8"].get("decode64", {}).get("step_s")
+            parts.append(f"{shape} fp8 KV: {f8.get('blocks_x')}x blocks, greedy {f8.get('greedy_identical')} identical"
+                         + (f", decode@64 {step * 1e3:.1f} ms/step" if step else ""))
     device = steps.get("env", {}).get("device", "?")
     return f"gpu check on {device}: " + "; ".join(parts)
 

@@ -64,7 +64,46 @@ def workloads_step(ctx, result: dict, shape_name: str) -> dict:
         ctx.save(result)
     result["decode64"] = decode_steps(llm, vocab, folder, ctx.env_result(), dry)
     clock.lap(f"decode at batch {DECODE_BATCH}: {result['decode64']}")
+    ctx.save(result)
+    if shape_name == FP8_SHAPE:
+        del llm
+        free_device_memory()
+        result["kv_fp8"] = fp8_kv_check(folder, vocab, ctx, dry)
+        clock.lap(f"fp8 KV cache: {result['kv_fp8']}")
     return ctx.save(result)
+
+
+FP8_SHAPE = "llama-1b"  # the fp8 KV cache is checked on the smaller shape (its start-up is seconds)
+
+
+def fp8_kv_check(folder: Path, vocab: int, ctx, dry: bool) -> dict:
+    """The engine with ``kv_cache_dtype="fp8"`` on the device: its KV blocks against the bf16 pool's, greedy
+    tokens of 8 prompts beside the bf16 cache's (random weights: near-ties flip, so reported, not judged),
+    and decode steps at batch 64."""
+    from benchmarks.gpu.steps import free_device_memory
+    from engine import SamplingParams
+
+    prompts = [{"prompt_token_ids": [random.Random(i).randrange(100, vocab) for _ in range(48)]} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=8 if dry else 32, ignore_eos=True)
+    out: dict = {}
+    tokens = {}
+    for kv in ("fp8",) if dry else ("auto", "fp8"):  # the dry run: the fp8 path's plumbing alone
+        llm, startup = start_engine(folder, ctx.device, dry, kv_cache_dtype=kv)
+        out[kv] = {"startup_s": round(startup, 1), "num_kv_blocks": llm.engine.runner.kv_cache.shape[2],
+                   "kv_dtype": str(llm.engine.runner.kv_cache.dtype)}
+        tokens[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if kv == "fp8":
+            out[kv]["decode64"] = decode_steps(llm, vocab, folder, ctx.env_result(), dry)
+        del llm
+        free_device_memory()
+    if dry:
+        return out
+    same = [a == b for a, b in zip(tokens["auto"], tokens["fp8"])]
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(tokens["auto"], tokens["fp8"])]
+    out["greedy_identical"] = f"{sum(same)}/{len(same)}"
+    out["tokens_before_first_difference"] = prefix
+    out["blocks_x"] = round(out["fp8"]["num_kv_blocks"] / out["auto"]["num_kv_blocks"], 2)
+    return out
 
 
 class Clock:
@@ -120,14 +159,14 @@ def write_random_llama(folder: Path, shape: str | dict, device: str):
     return model
 
 
-def start_engine(folder: Path, device: str, dry: bool):
+def start_engine(folder: Path, device: str, dry: bool, **options):
     from benchmarks._peer_jobs import MAX_NUM_SEQS
     from engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
     sizing = {"num_kv_blocks": 512, "attention_backend": "triton"} if dry else {"gpu_memory_utilization": 0.85}
     llm = LLM(str(folder), dtype="bfloat16", device=device, max_num_seqs=MAX_NUM_SEQS,
-              max_model_len=256 if dry else MAX_MODEL_LEN, **sizing)
+              max_model_len=256 if dry else MAX_MODEL_LEN, **sizing, **options)
     # Warm-up: compile the Triton kernels for this shape (prefill and decode) before anything is timed.
     llm.generate([{"prompt_token_ids": list(range(100, 116 + i))} for i in range(4)], SamplingParams(max_tokens=4),
                  use_tqdm=False)
