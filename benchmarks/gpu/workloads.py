@@ -66,7 +66,7 @@ def workloads_step(ctx, result: dict, shape_name: str) -> dict:
     clock.lap(f"decode at batch {DECODE_BATCH}: {result['decode64']}")
     ctx.save(result)
     if shape_name == FP8_SHAPE:
-        del llm
+        del llm, graphs  # the graphs hold the pool too: both must go before another engine sizes its own
         free_device_memory()
         result["kv_fp8"] = fp8_kv_check(folder, vocab, ctx, dry)
         clock.lap(f"fp8 KV cache: {result['kv_fp8']}")
@@ -74,6 +74,7 @@ def workloads_step(ctx, result: dict, shape_name: str) -> dict:
 
 
 FP8_SHAPE = "llama-1b"  # the fp8 KV cache is checked on the smaller shape (its start-up is seconds)
+FP8_POOL_BYTES = 8 << 30
 
 
 def fp8_kv_check(folder: Path, vocab: int, ctx, dry: bool) -> dict:
@@ -88,7 +89,9 @@ def fp8_kv_check(folder: Path, vocab: int, ctx, dry: bool) -> dict:
     out: dict = {}
     tokens = {}
     for kv in ("fp8",) if dry else ("auto", "fp8"):  # the dry run: the fp8 path's plumbing alone
-        llm, startup = start_engine(folder, ctx.device, dry, kv_cache_dtype=kv)
+        # A fixed pool (not a share of free memory): the same bytes hold twice the blocks in fp8
+        llm, startup = start_engine(folder, ctx.device, dry, kv_cache_dtype=kv,
+                                    **({} if dry else {"kv_cache_memory": FP8_POOL_BYTES}))
         out[kv] = {"startup_s": round(startup, 1), "num_kv_blocks": llm.engine.runner.kv_cache.shape[2],
                    "kv_dtype": str(llm.engine.runner.kv_cache.dtype)}
         tokens[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
