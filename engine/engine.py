@@ -327,7 +327,12 @@ class Engine:
         for seq_id in live:
             assert self.blocks.has_seq(seq_id), f"running {seq_id} holds no blocks"
         live_ids = {s.seq_id for st in self.outputs.requests.values() for s in st.live_seqs()}
-        assert live_ids <= set(self.scheduler.seqs), "a live sequence is unknown to the scheduler"
+        # n>1 samples wait as their root's pending forks until its prompt is computed: unknown to the
+        # scheduler and holding no blocks until then
+        pending = {f.seq_id for st in self.outputs.requests.values() for s in st.seqs for f in s.pending_forks}
+        assert live_ids - pending <= set(self.scheduler.seqs), "a live sequence is unknown to the scheduler"
+        for seq_id in pending:
+            assert seq_id not in self.scheduler.seqs and not self.blocks.has_seq(seq_id), f"pending fork {seq_id} started"
         self.structured.check_integrity(live_ids)
         if self.drafter is not None:
             self.drafter.check_integrity(set(self.scheduler.seqs))

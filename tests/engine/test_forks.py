@@ -38,6 +38,20 @@ def test_greedy_samples_are_identical(llm):
     assert len({tuple(o.token_ids) for o in out.outputs}) == 1
 
 
+def test_integrity_holds_after_every_step_while_samples_wait_to_fork(long_llama):
+    """Before the prompt is computed the samples are the root's pending forks: live for the request,
+    unknown to the scheduler, holding no blocks (check_integrity failed on a fresh engine here)."""
+    engine = LLM(model=str(long_llama), num_kv_blocks=64, max_num_batched_tokens=16).engine
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=1, ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": _ids(40, 3)}, params)  # 3 prefill chunks before the fork
+    engine.check_integrity()
+    finished = []
+    while engine.has_unfinished():
+        finished += [o for o in engine.step() if o.finished]
+        engine.check_integrity()
+    assert [len(o.token_ids) for o in finished[0].outputs] == [6, 6, 6]
+
+
 def test_seeded_samples_are_distinct_and_equal_single_requests_with_seed_plus_i(llm):
     prompt = {"prompt_token_ids": _ids(45, 2)}  # ends mid-block: the forks share a partial block
     params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=100, ignore_eos=True)
