@@ -35,13 +35,15 @@ HELP = {
     "enable_prefix_caching": ("cache", "reuse the KV of any prefix computed before (on by default)"),
     "host_kv_cache_memory": ("cache", "bytes of host memory for KV blocks evicted or swapped out (0: off)"),
     "kv_redis_url": ("cache", "redis:// URL of a KV tier shared by replicas (off by default)"),
-    "kv_redis_ttl": ("cache", "seconds KV blocks live in Redis (default: kept)"),
+    "kv_redis_ttl": ("cache", "seconds KV blocks live in Redis (default: kept); a longer retention keeps its "
+                              "blocks longer"),
     "kv_redis_timeout": ("cache", "seconds a Redis call may take before it counts as a miss"),
     "kv_redis_key_prefix": ("cache", "prefix of this deployment's Redis keys"),
     "kv_tier_policy": ("cache", "auto: load a slower tier's hit only where that beats recomputing it (measured); "
                                 "always: load every hit"),
     "prompt_cache_ttl": ("cache", "seconds a request's prompt_cache_key keeps its context cached past its end "
-                                  "(\"in_memory\" retention; \"24h\" asks for a day)"),
+                                  "(\"in_memory\" retention; \"24h\" asks for a day); longer retentions are "
+                                  "also kept in Redis when it is configured"),
     "kv_retention_max_fraction": ("cache", "fraction [0-1] of the KV pool that retained contexts may hold (retained "
                                            "blocks are evicted after all others, never refusing a request)"),
     "kv_events_config": ("cache", "JSON of vLLM's KV events config (publish block stored / removed events over "

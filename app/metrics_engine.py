@@ -28,6 +28,10 @@ ENGINE_METRICS = {
     "kv_redis_dropped_writes": ("counter", "KV block writes to Redis dropped (queue full or Redis failing)."),
     "kv_redis_failures": ("counter", "Failed Redis calls (each degraded to recomputation)."),
     "kv_redis_corrupt_values": ("counter", "Redis values ignored as corrupt, truncated or foreign."),
+    "kv_redis_retained_extended": ("counter", "Redis entries of long-retained KV blocks whose expiry was extended."),
+    "kv_redis_retained_writes": ("counter", "Long-retained KV blocks written to Redis because it lacked them."),
+    "kv_redis_retained_lost": ("counter", "Long-retained KV blocks not kept in Redis (Redis failing, queue full, "
+                                          "or absent there and gone from the device)."),
     # Retention (engine/retention.py): contexts kept past their request (prompt_cache_key, cache_control).
     "kv_retained_blocks": ("gauge", "KV blocks retained (evicted only after every other evictable block)."),
     "kv_retention_expired": ("counter", "Block retentions that ran out (TTL) or lapsed (the retention cap)."),

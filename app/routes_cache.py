@@ -1,6 +1,8 @@
 """The operator's cache endpoints (engine/retention.py): look a prefix up, retain one now, release one.
 
     POST /v1/cache/lookup   {prompt | messages | prompt_token_ids, cache_salt?}       -> tokens cached per tier
+                            (device, retained, host, then Redis: remote_tokens, null when Redis is off or
+                            does not answer)
     POST /v1/cache/retain   {... , ttl: seconds}  compute the prefix (one forward) and retain it: warm a RAG
                             corpus or a system prompt + tools before traffic arrives
     POST /v1/cache/release  {...}                 end its retention (it is evicted in LRU order again)
@@ -42,6 +44,9 @@ class CacheLookupResponse(msgspec.Struct):
     device_tokens: int  # whole KV blocks of the prefix cached in the device pool
     retained_tokens: int  # of those, the retained ones
     host_tokens: int  # continuing them in the host tier
+    # continuing device + host in Redis: whole blocks present there (one pipelined EXISTS, the tier's timeout);
+    # null without a Redis tier or when it did not answer
+    remote_tokens: int | None = None
 
 
 class CacheRetainResponse(msgspec.Struct):
@@ -95,7 +100,8 @@ def _json(body: msgspec.Struct) -> Response:
 async def cache_lookup(request: Request) -> Response:
     state, req, ids = await _read(request)
     found = await state.require_engine().cache_lookup(ids, cache_salt=req.cache_salt)
-    return _json(CacheLookupResponse(len(ids), found["device_tokens"], found["retained_tokens"], found["host_tokens"]))
+    return _json(CacheLookupResponse(len(ids), found["device_tokens"], found["retained_tokens"], found["host_tokens"],
+                                     found.get("remote_tokens")))
 
 
 @post("/v1/cache/retain", status_code=200, guards=[require_api_key], tags=["Cache"],
@@ -112,7 +118,7 @@ async def cache_retain(request: Request) -> Response:
     run = await Run.start(engine, state.metrics, [{"prompt_token_ids": ids}], params, f"retain-{uuid.uuid4().hex}",
                           priority=0, cache_salt=req.cache_salt, max_queued=state.max_queued_requests)
     out, _ = await run.final_choice(request)
-    found = await engine.cache_lookup(ids, cache_salt=req.cache_salt)
+    found = await engine.cache_lookup(ids, cache_salt=req.cache_salt, remote=False)
     return _json(CacheRetainResponse(len(ids), found["retained_tokens"], len(ids) - out.num_cached_tokens, ttl))
 
 

@@ -228,10 +228,16 @@ class AsyncEngine(FrontendSurface):
         self._send(_ResetPrefixCache(done))
         return await asyncio.wrap_future(done)
 
-    async def cache_lookup(self, token_ids: list[int], *, cache_salt: str | None = None) -> dict[str, int]:
-        """Engine.cache_lookup on the engine thread: tokens of the prefix cached on the device, retained, and
-        continuing in the host tier."""
-        return await self._call(lambda core: core.cache_lookup(token_ids, cache_salt=cache_salt))
+    async def cache_lookup(self, token_ids: list[int], *, cache_salt: str | None = None, remote: bool = True
+                           ) -> dict[str, int | None]:
+        """Engine.cache_lookup: tokens of the prefix cached on the device, retained, continuing in the host
+        tier (looked up on the engine thread) and continuing those in Redis (``remote_tokens``, probed off the
+        engine thread so a slow Redis never holds up a step; None without a Redis tier or when it does not
+        answer, or with ``remote=False``)."""
+        found, keys = await self._call(lambda core: core.cache_lookup_local(token_ids, cache_salt=cache_salt))
+        if remote and self.engine.tiers.remote is not None:
+            found["remote_tokens"] = await asyncio.to_thread(self.engine.remote_cached_tokens, keys)
+        return found
 
     async def cache_release(self, token_ids: list[int], *, cache_salt: str | None = None) -> int:
         """Engine.cache_release on the engine thread: end the prefix's retention; the tokens released."""
@@ -256,6 +262,7 @@ class AsyncEngine(FrontendSurface):
                 if self._drain_inbox():
                     self._refresh_stats()
                 if not self.engine.has_unfinished():
+                    self._write_retained_blocks()
                     self._wakeup.wait(timeout=0.1)
                     self._wakeup.clear()
                     continue
@@ -266,6 +273,13 @@ class AsyncEngine(FrontendSurface):
             self._dead = exc
             for sink in list(self._sinks.values()):
                 sink.put(EngineDeadError(f"the engine loop stopped: {exc!r}"))
+
+    def _write_retained_blocks(self) -> None:
+        """Idle: write the blocks Redis lacked for a long retention (if any); a failure never stops the loop."""
+        try:
+            self.engine.write_retained_blocks()
+        except Exception:  # noqa: BLE001 - the retention holds on the device all the same
+            logger.exception("writing retained KV blocks to Redis failed")
 
     def _drain_inbox(self) -> bool:
         """Apply queued adds and aborts; True when there were any."""

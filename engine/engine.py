@@ -118,12 +118,13 @@ class Engine:
                                      parallel=self.workers is not None, grammar_check=self.structured.valid_drafts)
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
+        # the pool's bytes of cached blocks, for Redis writes (every rank's heads under tensor parallelism)
+        self._read_kv_blocks = self.runner.read_blocks if self.workers else self.runner.kv_mover.read_blocks
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy), self.blocks,
             self.tiers, eos_token_ids=self.model_config.eos_token_ids, preemption_mode=config.preemption_mode,
-            read_kv_blocks=self.runner.read_blocks if self.workers else self.runner.kv_mover.read_blocks,
-            drafter=self.drafter,
-            retention=RetentionPolicy(self.blocks, idle_ttl_s=config.prompt_cache_ttl),
+            read_kv_blocks=self._read_kv_blocks, drafter=self.drafter,
+            retention=RetentionPolicy(self.blocks, idle_ttl_s=config.prompt_cache_ttl, tiers=self.tiers),
         )
         self.outputs = OutputProcessor(
             self.scheduler, self.detokenizer, self.structured, tuple(self.model_config.eos_token_ids),
@@ -220,13 +221,32 @@ class Engine:
             raise
 
     def flush_kv_writes(self, timeout: float = 5.0) -> bool:
-        """Wait until queued Redis writes are written (True) or ``timeout`` passed (False)."""
-        return self.tiers.flush(timeout)
+        """Wait until queued Redis writes are written (True) or ``timeout`` passed (False), including the
+        blocks of long retentions that Redis turned out to lack (read from the device pool and written)."""
+        deadline = time.monotonic() + timeout
+        done = self.tiers.flush(timeout)
+        if done and self.tiers.has_pending_retained:
+            self.write_retained_blocks()
+            done = self.tiers.flush(max(deadline - time.monotonic(), 0.0))
+        return done
+
+    def write_retained_blocks(self) -> int:
+        """Between steps: queue the Redis writes of long-retained blocks that Redis reported absent (each step
+        does it at its end; an idle engine loop calls this). Returns how many; nothing without a Redis tier."""
+        if not self.tiers.has_pending_retained:
+            return 0
+        writes = self.tiers.take_retained_writes()
+        if writes:
+            self.tiers.submit_writes(writes, self._read_kv_blocks([w.block_id for w in writes]))
+        return len(writes)
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush queued Redis writes (up to ``timeout``), stop the tier's writer, the KV-event
         publisher and the tensor-parallel workers. Idempotent."""
-        self.tiers.close(timeout)
+        deadline = time.monotonic() + timeout
+        if self.tiers.remote is not None and self.tiers.remote.available:
+            self.flush_kv_writes(timeout)  # a long retention's blocks Redis lacked are written too
+        self.tiers.close(max(deadline - time.monotonic(), 0.0))
         self.kv_events.close()
         self.stop_workers()
 
@@ -253,19 +273,42 @@ class Engine:
         return self.outputs.abort(request_id)
 
     # -- retention (engine/retention.py): the operator's view and controls ----------------------------
-    def cache_lookup(self, token_ids: list[int], *, cache_salt: str | None = None) -> dict[str, int]:
-        """How much of ``token_ids``' prefix is cached, in whole KV blocks' tokens: on the device (and how much
-        of that is retained), and continuing it in the host tier."""
+    def cache_lookup(self, token_ids: list[int], *, cache_salt: str | None = None, remote: bool = True
+                     ) -> dict[str, int | None]:
+        """How much of ``token_ids``' prefix is cached, in whole KV blocks' tokens: on the device
+        (``device_tokens``; ``retained_tokens`` of those retained), continuing it in the host tier
+        (``host_tokens``), and continuing both in Redis (``remote_tokens``: present there, by one pipelined
+        EXISTS with the tier's timeout; None without a Redis tier, when it does not answer, or with
+        ``remote=False``). device + host + remote tokens is the longest prefix some tier holds."""
+        found, keys = self.cache_lookup_local(token_ids, cache_salt=cache_salt)
+        found["remote_tokens"] = self.remote_cached_tokens(keys) if remote else None
+        return found
+
+    def cache_lookup_local(self, token_ids: list[int], *, cache_salt: str | None = None
+                           ) -> tuple[dict[str, int | None], list]:
+        """cache_lookup's device and host part (engine thread), and the block keys after them for
+        ``remote_cached_tokens`` (any thread)."""
         bs = self.blocks.block_size
         device = self.blocks.cached_chain(token_ids, cache_salt=cache_salt)
         host = 0
-        if self.tiers.host is not None:
-            for key in self.blocks.block_keys(token_ids, cache_salt=cache_salt)[len(device):]:
-                if self.tiers.host.lookup(key) is None:
-                    break
-                host += 1
-        return {"device_tokens": len(device) * bs, "retained_tokens": sum(map(self.blocks.is_retained, device)) * bs,
-                "host_tokens": host * bs}
+        keys = []
+        if self.tiers.enabled:
+            keys = self.blocks.block_keys(token_ids, cache_salt=cache_salt)[len(device):]
+            if self.tiers.host is not None:
+                while host < len(keys) and self.tiers.host.lookup(keys[host]) is not None:
+                    host += 1
+            keys = keys[host:] if self.tiers.remote is not None else []
+        found = {"device_tokens": len(device) * bs, "retained_tokens": sum(map(self.blocks.is_retained, device)) * bs,
+                 "host_tokens": host * bs, "remote_tokens": None}
+        return found, keys
+
+    def remote_cached_tokens(self, keys: list) -> int | None:
+        """Tokens of the whole blocks of ``keys``, from the first, present in Redis; None without a Redis tier or
+        when it does not answer (its timeout). Touches no engine state: safe off the engine thread."""
+        if self.tiers.remote is None:
+            return None
+        n = self.tiers.count_remote(keys)
+        return None if n is None else n * self.blocks.block_size
 
     def cache_release(self, token_ids: list[int], *, cache_salt: str | None = None) -> int:
         """End the retention of ``token_ids``' cached prefix; the tokens (whole blocks) that were retained."""

@@ -70,6 +70,12 @@ def tier_stats(tiers: KVTiers) -> dict[str, int | float]:
         "kv_redis_dropped_writes": s.get("remote_dropped_writes", 0),
         "kv_redis_failures": s.get("remote_failures", 0),
         "kv_redis_corrupt_values": s.get("remote_corrupt_values", 0) + s.get("remote_rejected", 0),
+        # long retentions (engine/retention.py) kept in Redis: entries extended, absent blocks written, and
+        # blocks that did not make it (the retention dropped with Redis failing or a full queue, or absent
+        # there and no longer on the device)
+        "kv_redis_retained_extended": s.get("remote_retained_extended", 0),
+        "kv_redis_retained_writes": s.get("remote_retained_writes", 0),
+        "kv_redis_retained_lost": s.get("remote_retained_lost", 0) + s.get("remote_dropped_retains", 0),
         "kv_tier_loaded_tokens": s.get("loaded_tokens", 0),
         "kv_tier_recompute_decisions": s.get("recompute_decisions", 0),
     }

@@ -109,11 +109,12 @@ class LLM(FrontendSurface):
         _, ids = tokenize_prompt(self.engine.tokenizer, self.engine.model_config.vocab_size, prompt)
         params = SamplingParams(max_tokens=1, temperature=0.0, cache_breakpoints=((len(ids), float(ttl_s)),))
         self.generate({"prompt_token_ids": ids}, params, use_tqdm=False, cache_salt=cache_salt)
-        return self.cache_lookup(ids, cache_salt=cache_salt)["retained_tokens"]
+        return self.engine.cache_lookup(ids, cache_salt=cache_salt, remote=False)["retained_tokens"]
 
-    def cache_lookup(self, token_ids: list[int], *, cache_salt: str | None = None) -> dict[str, int]:
+    def cache_lookup(self, token_ids: list[int], *, cache_salt: str | None = None) -> dict[str, int | None]:
         """Tokens of ``token_ids``' prefix cached on the device (``device_tokens``), of those retained
-        (``retained_tokens``), and continuing them in the host tier (``host_tokens``)."""
+        (``retained_tokens``), continuing them in the host tier (``host_tokens``) and continuing those in Redis
+        (``remote_tokens``; None without a Redis tier or when it does not answer)."""
         return self.engine.cache_lookup(token_ids, cache_salt=cache_salt)
 
     def cache_release(self, token_ids: list[int], *, cache_salt: str | None = None) -> int:

@@ -504,6 +504,15 @@ class BlockManager:
     def is_retained(self, block_id: int) -> bool:
         return self._pool.is_retained(block_id)
 
+    def cached_block(self, key: BlockKey) -> tuple[int, BlockKey | None, tuple[int, ...], bytes] | None:
+        """The block cached under ``key`` now: (block id, parent key, token ids, namespace), or None."""
+        index = self._pool.index
+        b = index.lookup(key)
+        if b is None:
+            return None
+        parent = index.parent_of(b)
+        return b, None if parent is None else index.key_of(parent), index.tokens_of(b), index.ns_of(b)
+
     def key_of(self, block_id: int) -> BlockKey | None:
         """The key a block is cached under (None: not cached): whether an id still holds what it held."""
         index = self._pool.index

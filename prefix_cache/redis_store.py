@@ -11,9 +11,19 @@ ignored and counted; the engine then recomputes the block and its write-through 
 
 Reads (``fetch_prefix``) run on the caller's thread at admission: one pipelined EXISTS for all
 candidate keys, then pipelined GETs of the leading run of present keys in chunks, stopping at
-the first missing or invalid value.  Writes (``put``) never block: they enter a bounded queue
-that one background thread drains in pipelined batches (SET, with EX when a TTL is set); a full
-queue drops the write and counts it.
+the first missing or invalid value.  ``count_prefix`` (the operator's lookup) is the EXISTS half
+alone.  Writes (``put``) never block: they enter a bounded queue that one background thread
+drains in pipelined batches; a full queue drops the write and counts it.
+
+Expiry.  A write never shortens an entry's life: it sets the value with an expiry of the longer of
+the entry's remaining one and its own (``ttl``, or the ``ttl_s`` a long retention passes; none:
+no expiry, as an entry without one keeps none), in one server-side script (``WRITE_SCRIPT``), so
+a block retained for 24 hours by one replica is not cut back to ``ttl`` when another replica
+computes it again.  ``retain(keys, ttl_s)`` (a long retention's blocks) extends present entries'
+expiry to at least ``ttl_s`` from now (``EXTEND_SCRIPT``, pipelined; never rewriting a value)
+and reports the absent ones through ``take_missing``, so the engine writes them from its device
+pool.  A server that refuses scripts (an ACL, a proxy without EVAL) gets plain SET / PEXPIRE
+instead (logged once): then a write may shorten an entry's expiry.
 
 Faults: every call has short socket and connect timeouts and redis-py's own retries are off.  A
 failure opens a circuit breaker (backoff 0.5 s doubling to 10 s): while it is open, reads return
@@ -29,13 +39,16 @@ module only when a Redis URL is configured).
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import logging
+import math
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import redis
 from redis.backoff import NoBackoff
@@ -47,8 +60,46 @@ from .kv_codec import FORMAT_VERSION, BlockMeta, DecodedBlock, KVLayout, KVValue
 logger = logging.getLogger("prefixserve")
 
 FETCH_CHUNK = 16  # GETs per pipeline round trip: bounds one reply's size, stops soon after a bad value
-WRITE_BATCH = 32  # SETs per pipeline round trip
+WRITE_BATCH = 32  # queued writes (and retentions) per pipeline round trip
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
+
+# KEYS[1] = the entry, ARGV[1] = the value, ARGV[2] = its expiry in ms (0: none). PTTL: -2 absent, -1 no expiry.
+WRITE_SCRIPT = """local left = redis.call('PTTL', KEYS[1])
+local ttl = tonumber(ARGV[2])
+if ttl == 0 or left == -1 then redis.call('SET', KEYS[1], ARGV[1]) return 1 end
+if left > ttl then ttl = left end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+return 1"""
+# KEYS[1] = the entry, ARGV[1] = the least expiry in ms it must have. 0: absent (nothing done), 1: present.
+EXTEND_SCRIPT = """local left = redis.call('PTTL', KEYS[1])
+if left == -2 then return 0 end
+if left ~= -1 and left < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 1"""
+
+
+@dataclass(frozen=True)
+class _Put:
+    meta: BlockMeta
+    payload: bytes | memoryview
+    ttl_ms: int | None  # None: no expiry
+    retained: bool = False  # written for a long retention (the block was absent when it was retained)
+
+
+@dataclass(frozen=True)
+class _Retain:
+    keys: tuple[BlockKey, ...]
+    ttl_s: float
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _scripts_refused(exc: redis.ResponseError) -> bool:
+    """The server will not run EVAL at all (an ACL, a proxy without scripting), as opposed to a failing call."""
+    text = str(exc).lower()
+    return isinstance(exc, redis.exceptions.NoPermissionError) or "unknown command" in text \
+        or "noperm" in text or "scripting" in text
 
 
 def layout_namespace(prefix: str, fingerprint: str, dtype: str, block_size: int, tp_rank: int = 0,
@@ -131,7 +182,10 @@ class RedisKVStore:
         self._closed = False
         self._lock = threading.Lock()
         self._counts = {"lookups": 0, "fetched_blocks": 0, "writes": 0, "dropped_writes": 0, "failures": 0,
-                        "corrupt_values": 0}
+                        "corrupt_values": 0, "retained_writes": 0, "retained_extended": 0, "retained_missing": 0,
+                        "dropped_retains": 0}
+        self._scripts = True  # False once the server refused EVAL: plain SET / PEXPIRE from then on
+        self._missing: collections.deque[tuple[BlockKey, float]] = collections.deque()  # retained, absent here
         self._atexit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._atexit)
 
@@ -202,11 +256,59 @@ class RedisKVStore:
         self._count("fetched_blocks", len(found))
         return found
 
+    def count_prefix(self, keys: Sequence[BlockKey]) -> int | None:
+        """How many of ``keys``, from the first, are present (one pipelined EXISTS round trip, not verified
+        by value); None when Redis did not answer within the timeout, is skipped (breaker open) or closed."""
+        if not keys:
+            return 0
+        if self._closed or not self._breaker.allow():
+            return None
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.key_for(k))
+            present = pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            self._failed("a lookup", exc)
+            return None
+        self._breaker.success()
+        n = 0
+        while n < len(keys) and present[n]:
+            n += 1
+        return n
+
     # ---- writes ----------------------------------------------------------------------------
-    def put(self, meta: BlockMeta, payload: bytes | memoryview) -> bool:
-        """Queue one block for writing; False (counted) when the queue is full or the store closed."""
+    def put(self, meta: BlockMeta, payload: bytes | memoryview, *, ttl_s: float | None = None) -> bool:
+        """Queue one block for writing; False (counted) when the queue is full or the store closed. Its entry
+        lives at least ``ttl_s`` seconds (a long retention's) or the store's ``ttl``, whichever is longer, and
+        never less than it already had."""
+        # a store without expiry keeps its entries for good: no retention outlives them
+        ttl = self.ttl if ttl_s is None or self.ttl is None else max(ttl_s, self.ttl)
+        item = _Put(meta, payload, None if ttl is None else _ms(ttl), retained=ttl_s is not None)
+        return self._enqueue(item, "dropped_writes", 1)
+
+    def retain(self, keys: Sequence[BlockKey], ttl_s: float) -> bool:
+        """Queue a long retention of these blocks (never blocks): present entries get an expiry of at least
+        ``ttl_s`` seconds from when the writer reaches them; absent ones are reported by ``take_missing``. False
+        (counted) when the queue is full or the store closed."""
+        if not keys:
+            return True
+        return self._enqueue(_Retain(tuple(keys), float(ttl_s)), "dropped_retains", len(keys))
+
+    def take_missing(self) -> list[tuple[BlockKey, float]]:
+        """(key, ttl_s) of retained blocks the writer found absent since the last call (thread-safe)."""
+        out = []
+        while self._missing:
+            out.append(self._missing.popleft())
+        return out
+
+    @property
+    def has_missing(self) -> bool:
+        return bool(self._missing)
+
+    def _enqueue(self, item: _Put | _Retain, dropped: str, n: int) -> bool:
         if self._closed:
-            self._count("dropped_writes")
+            self._count(dropped, n)
             return False
         if self._thread is None:
             with self._lock:
@@ -214,9 +316,9 @@ class RedisKVStore:
                     self._thread = threading.Thread(target=self._writer, name="prefixserve-redis-kv", daemon=True)
                     self._thread.start()
         try:
-            self._queue.put_nowait((meta, payload))
+            self._queue.put_nowait(item)
         except queue.Full:
-            self._count("dropped_writes")
+            self._count(dropped, n)
             return False
         return True
 
@@ -238,28 +340,69 @@ class RedisKVStore:
                 self._write(batch)
             except Exception:  # never let the writer die: count and go on
                 logger.exception("Redis KV tier: writer error")
-                self._count("dropped_writes", len(batch))
+                self._dropped(batch)
             finally:
                 for _ in batch:
                     self._queue.task_done()
 
-    def _write(self, batch: list[tuple[BlockMeta, bytes | memoryview]]) -> None:
+    def _dropped(self, batch: list[_Put | _Retain]) -> None:
+        puts = sum(isinstance(item, _Put) for item in batch)
+        self._count("dropped_writes", puts)
+        self._count("dropped_retains", sum(len(item.keys) for item in batch if isinstance(item, _Retain)))
+
+    def _write(self, batch: list[_Put | _Retain]) -> None:
         while not self._breaker.allow():
             if self._stop.is_set():
-                self._count("dropped_writes", len(batch))
+                self._dropped(batch)
                 return
             time.sleep(0.05)
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for meta, payload in batch:
-                pipe.set(self.key_for(meta.key), encode_block(self.layout, meta, payload), ex=self.ttl)
-            pipe.execute()
+            try:
+                replies = self._execute(batch, self._scripts)
+            except redis.ResponseError as exc:
+                if not (self._scripts and _scripts_refused(exc)):
+                    raise
+                self._scripts = False
+                logger.warning("Redis KV tier: the server refuses scripts (%s); writing with plain SET / PEXPIRE, "
+                               "which may shorten an entry's expiry", exc)
+                replies = self._execute(batch, False)
         except (redis.RedisError, OSError) as exc:
             self._failed("a write", exc)
-            self._count("dropped_writes", len(batch))
+            self._dropped(batch)
             return
         self._breaker.success()
-        self._count("writes", len(batch))
+        i = 0
+        for item in batch:
+            if isinstance(item, _Put):
+                self._count("writes")
+                self._count("retained_writes", item.retained)
+                i += 1
+                continue
+            present = replies[i:i + len(item.keys)]
+            i += len(item.keys)
+            missing = [k for k, p in zip(item.keys, present) if not p]
+            self._count("retained_extended", len(item.keys) - len(missing))
+            self._count("retained_missing", len(missing))
+            self._missing.extend((k, item.ttl_s) for k in missing)
+
+    def _execute(self, batch: list[_Put | _Retain], scripts: bool) -> list:
+        """One pipeline round trip for the batch: one reply per put, one per retained key (truthy: present)."""
+        pipe = self._client.pipeline(transaction=False)
+        for item in batch:
+            if isinstance(item, _Put):
+                name, value = self.key_for(item.meta.key), encode_block(self.layout, item.meta, item.payload)
+                if scripts:
+                    pipe.eval(WRITE_SCRIPT, 1, name, value, item.ttl_ms or 0)
+                else:
+                    pipe.set(name, value, px=item.ttl_ms)
+            else:
+                ms = _ms(item.ttl_s)
+                for k in item.keys:
+                    if scripts:
+                        pipe.eval(EXTEND_SCRIPT, 1, self.key_for(k), ms)
+                    else:  # 1 when the key exists (its expiry set, even if that shortens it), 0 when absent
+                        pipe.pexpire(self.key_for(k), ms)
+        return pipe.execute()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued write was attempted (True) or ``timeout`` passed (False)."""

@@ -12,6 +12,11 @@
   prefix one replica computed is a hit for every other replica at once -- waiting for device
   and host eviction would keep it private for as long as it stays popular.  Blocks that were
   themselves loaded from a tier are not written again.
+* Long retention.  ``persist`` (a retention longer than the device and host tiers are trusted
+  with, engine/retention.py) asks the remote store to keep the retained blocks' entries at least
+  that long: present entries get their expiry extended, never rewritten; the ones it reports
+  absent (a dropped write, an entry expired or evicted there) are written from the device pool
+  by the next ``take_writes``, with that expiry, if they are still cached there.
 * Promotion.  ``extend`` continues a device prefix hit with host hits, then remote hits
   (pipelined existence checks and fetches that stop at the first miss), each confirmed by its
   parent key, tokens and namespace -- never by key alone -- and only when the cost model says
@@ -98,8 +103,27 @@ class RemoteKVStore(Protocol):
         """Decoded, verified blocks for the longest leading run of ``keys`` the store holds."""
         ...
 
-    def put(self, meta: BlockMeta, payload: bytes | memoryview) -> bool:
-        """Queue a write without blocking; False when it was dropped."""
+    def put(self, meta: BlockMeta, payload: bytes | memoryview, *, ttl_s: float | None = None) -> bool:
+        """Queue a write without blocking; False when it was dropped. ``ttl_s``: the entry must live at
+        least that long (a long retention's block); None: the store's own expiry."""
+        ...
+
+    def retain(self, keys: Sequence[BlockKey], ttl_s: float) -> bool:
+        """Queue a long retention without blocking: present entries live at least ``ttl_s`` more seconds,
+        absent ones are reported by ``take_missing``."""
+        ...
+
+    def take_missing(self) -> list[tuple[BlockKey, float]]:
+        """(key, ttl_s) of retained blocks found absent since the last call."""
+        ...
+
+    def count_prefix(self, keys: Sequence[BlockKey]) -> int | None:
+        """How many of ``keys``, from the first, the store holds; None when it did not answer."""
+        ...
+
+    @property
+    def has_missing(self) -> bool:
+        """``take_missing`` would return something."""
         ...
 
     def flush(self, timeout: float) -> bool: ...
@@ -188,6 +212,7 @@ class TierLoad:
 class PendingWrite:
     block_id: int
     meta: BlockMeta
+    ttl_s: float | None = None  # a long retention's block: its entry lives at least this long
 
 
 @dataclass
@@ -208,6 +233,7 @@ class _Counters:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     swap_failures: int = 0  # preemptions that fell back to recompute: no host room
+    remote_retained_lost: int = 0  # long-retained blocks absent from the remote store and gone from the device
 
 
 class KVTiers:
@@ -248,6 +274,7 @@ class KVTiers:
         # keys of blocks loaded from a tier: their commit must not write them back (until the next step)
         self._loaded_keys: set[BlockKey] = set()
         self._writes: list[PendingWrite] = []
+        self._persisting = False  # a long retention was asked of the remote store (its absent blocks to write)
         # Told of each block handed to the remote store's writer (KV events report it as STORAGE).
         self.on_remote_write: Callable[[BlockMeta], None] | None = None
         if self.enabled:  # with neither tier (the null object) block events cost nothing
@@ -437,18 +464,70 @@ class KVTiers:
 
     # ---- write-through ------------------------------------------------------------------------
     def take_writes(self) -> list[PendingWrite]:
-        """Blocks cached since the last call that the remote store should get; the caller reads
-        their bytes now (they are immutable while cached) and passes them to ``submit_writes``."""
+        """Blocks cached since the last call that the remote store should get, and long-retained
+        blocks it reported absent; the caller reads their bytes now (they are immutable while
+        cached) and passes them to ``submit_writes``.  Call between steps."""
         writes, self._writes = self._writes, []
+        if self.remote is not None and self._persisting:
+            writes += self.take_retained_writes()
         return writes
 
     def submit_writes(self, writes: Sequence[PendingWrite], payloads: Sequence[bytes | memoryview]) -> None:
         if self.remote is None:
             return
         for w, payload in zip(writes, payloads, strict=True):
-            self.remote.put(w.meta, payload)
+            if w.ttl_s is None:
+                self.remote.put(w.meta, payload)
+            else:
+                self.remote.put(w.meta, payload, ttl_s=w.ttl_s)
             if self.on_remote_write is not None:
                 self.on_remote_write(w.meta)
+
+    # ---- long retention ---------------------------------------------------------------------------
+    def persist(self, retained: dict[int, float]) -> None:
+        """Keep these cached blocks (block id -> retention seconds from now) in the remote store at least
+        that long: one queued retention per TTL, never blocking; the blocks the store lacks are written by
+        a later ``take_writes``.  Nothing without a remote store."""
+        if self.remote is None or not retained:
+            return
+        by_ttl: dict[float, list[BlockKey]] = {}
+        for b, ttl_s in retained.items():
+            key = self.blocks.key_of(b)
+            if key is not None:
+                by_ttl.setdefault(ttl_s, []).append(key)
+        for ttl_s, keys in by_ttl.items():
+            self.remote.retain(keys, ttl_s)
+        self._persisting = True
+
+    def take_retained_writes(self) -> list[PendingWrite]:
+        """The long-retained blocks the remote store reported absent, still cached on the device, to write with
+        their retention's expiry (part of ``take_writes``; alone between steps)."""
+        if self.remote is None:
+            return []
+        wanted: dict[BlockKey, float] = {}
+        for key, ttl_s in self.remote.take_missing():
+            wanted[key] = max(ttl_s, wanted.get(key, 0.0))
+        writes: list[PendingWrite] = []
+        for key, ttl_s in wanted.items():
+            found = self.blocks.cached_block(key)
+            if found is None:  # evicted from the device since it was retained: nothing to write it from
+                self.counters.remote_retained_lost += 1
+                continue
+            block_id, parent_key, token_ids, ns = found
+            writes.append(PendingWrite(block_id, BlockMeta(key, parent_key, token_ids, digest(ns)), ttl_s))
+        return writes
+
+    @property
+    def has_pending_retained(self) -> bool:
+        """The remote store reported long-retained blocks absent: a ``take_writes`` would write them."""
+        return self.remote is not None and self._persisting and self.remote.has_missing
+
+    def count_remote(self, keys: Sequence[BlockKey]) -> int | None:
+        """Blocks of ``keys``, from the first, present in the remote store (one round trip); None when there
+        is no remote store or it did not answer.  Thread-safe (it reads no engine state)."""
+        if self.remote is None:
+            return None
+        return self.remote.count_prefix(keys)
 
     # ---- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:
@@ -458,7 +537,7 @@ class KVTiers:
             "remote_hits": c.remote_hits, "remote_rejected": c.remote_rejected,
             "loaded_tokens": c.loaded_tokens, "recompute_decisions": c.recompute_decisions,
             "swapped_out_blocks": c.swapped_out_blocks, "swapped_in_blocks": c.swapped_in_blocks,
-            "swap_failures": c.swap_failures,
+            "swap_failures": c.swap_failures, "remote_retained_lost": c.remote_retained_lost,
         }
         if self.host is not None:
             out.update(host_evictions=self.host.num_evictions, host_slots=self.host.num_slots,

@@ -72,7 +72,8 @@ def test_breakpoints_retain_the_prefix_up_to_each_and_count_what_they_created(ti
     again = _run(llm, system + random_ids(30, 7), cache_breakpoints=((40, 300.0),))
     assert again.num_cached_tokens >= 32 and again.num_retained_tokens == 0  # read, not created
     assert llm.engine.cache_release(system) == 32
-    assert llm.engine.cache_lookup(system) == {"device_tokens": 32, "retained_tokens": 0, "host_tokens": 0}
+    assert llm.engine.cache_lookup(system) == {"device_tokens": 32, "retained_tokens": 0, "host_tokens": 0,
+                                               "remote_tokens": None}  # None: no Redis tier
 
 
 def test_retention_never_refuses_a_request(tiny):
@@ -104,7 +105,8 @@ def test_llm_warms_a_prefix_and_the_operator_calls_see_it(tiny):
     llm = tiny_llm(tiny, num_kv_blocks=64)
     system = random_ids(50, 40)
     assert llm.retain_prefix(system, 60.0) == 48
-    assert llm.cache_lookup(system) == {"device_tokens": 48, "retained_tokens": 48, "host_tokens": 0}
+    assert llm.cache_lookup(system) == {"device_tokens": 48, "retained_tokens": 48, "host_tokens": 0,
+                                        "remote_tokens": None}
     assert _run(llm, system + random_ids(10, 41)).num_cached_tokens >= 48
     assert llm.cache_release(system) == 48 and llm.cache_lookup(system)["retained_tokens"] == 0
     llm.engine.check_integrity()

@@ -142,6 +142,91 @@ def test_down_hung_and_restarted_server():
         store.close(timeout=0.2)
 
 
+# -- expiry, long retention and the lookup's probe ----------------------------------------------------
+def test_a_write_never_shortens_an_entrys_expiry(prefix):
+    client = redis.Redis.from_url(SHARED_URL)
+    store = RedisKVStore(SHARED_URL, _layout(prefix), ttl=60)
+    a, b = _chain(2, seed=200)
+    assert store.put(a, _payload(1), ttl_s=7200) and store.flush(5)  # a long retention's block
+    assert client.pttl(store.key_for(a.key)) > 7100_000
+    assert store.put(a, _payload(2)) and store.flush(5)  # recomputed elsewhere and written again: still 2 h
+    assert client.pttl(store.key_for(a.key)) > 7100_000
+    assert [bytes(x.payload) for x in store.fetch_prefix([a.key])] == [_payload(2)]  # the value was replaced
+    client.set(store.key_for(b.key), b"stale", px=5000)  # an entry about to expire gets the store's ttl again
+    assert store.put(b, _payload(3)) and store.flush(5)
+    assert 50_000 < client.pttl(store.key_for(b.key)) <= 60_000
+    assert store.stats()["retained_writes"] == 1 and store.stats()["writes"] == 3
+    store.close()
+    forever = RedisKVStore(SHARED_URL, _layout(prefix))  # ttl None: entries without expiry keep none
+    assert forever.put(b, _payload(4), ttl_s=60) and forever.flush(5)
+    assert client.pttl(forever.key_for(b.key)) == -1
+    forever.close()
+
+
+def test_retain_extends_present_entries_and_reports_absent_ones(prefix):
+    client = redis.Redis.from_url(SHARED_URL)
+    store = RedisKVStore(SHARED_URL, _layout(prefix), ttl=60)
+    metas = _chain(4, seed=300)
+    for i in (0, 1, 3):  # block 2 absent
+        store.put(metas[i], _payload(i))
+    store.put(metas[3], _payload(3), ttl_s=90_000)  # already retained longer than asked below
+    assert store.retain([m.key for m in metas], 3600) and store.flush(5)
+    left = [client.pttl(store.key_for(m.key)) for m in metas]
+    assert 3590_000 < left[0] <= 3600_000 and 3590_000 < left[1] <= 3600_000
+    assert left[2] == -2 and left[3] > 89_000_000  # never written, and never shortened
+    assert store.take_missing() == [(metas[2].key, 3600.0)] and store.take_missing() == []
+    assert not store.has_missing
+    stats = store.stats()
+    assert (stats["retained_extended"], stats["retained_missing"]) == (3, 1)
+    assert store.retain([], 10)  # nothing to do
+    store.close()
+    assert not store.retain([metas[0].key], 10) and store.stats()["dropped_retains"] == 1
+
+
+def test_count_prefix_probes_existence_and_says_none_when_redis_does_not_answer():
+    server = RedisServer().start()
+    store = RedisKVStore(server.url, _layout("c"), timeout=0.1)
+    try:
+        metas = _chain(4, seed=400)
+        for i in (0, 1, 3):
+            store.put(metas[i], _payload(i))
+        assert store.flush(5)
+        keys = [m.key for m in metas]
+        assert store.count_prefix(keys) == 2 and store.count_prefix(keys[3:]) == 1 and store.count_prefix([]) == 0
+        server.pause()  # hung: one timeout, then the breaker answers at once
+        start = time.monotonic()
+        assert store.count_prefix(keys) is None
+        assert time.monotonic() - start < 1.0
+        start = time.monotonic()
+        assert store.count_prefix(keys) is None and time.monotonic() - start < 0.05
+        server.resume()
+    finally:
+        server.kill()
+        store.close(timeout=0.2)
+    assert store.count_prefix(keys) is None  # closed
+
+
+def test_a_server_refusing_scripts_gets_plain_commands():
+    server = RedisServer().start()
+    try:
+        admin = redis.Redis(port=server.port)
+        admin.acl_setuser("noscripts", enabled=True, nopass=True, keys=["*"], commands=["+@all", "-@scripting"])
+        url = f"redis://noscripts:x@127.0.0.1:{server.port}/0"
+        store = RedisKVStore(url, _layout("s"), ttl=60, timeout=0.5)
+        metas = _chain(3, seed=500)
+        for i in (0, 1):
+            store.put(metas[i], _payload(i))
+        assert store.retain([m.key for m in metas], 3600) and store.flush(5)
+        assert len(store.fetch_prefix([m.key for m in metas])) == 2
+        assert admin.pttl(store.key_for(metas[0].key)) > 3590_000  # PEXPIRE: extended all the same
+        assert store.take_missing() == [(metas[2].key, 3600.0)]
+        stats = store.stats()
+        assert stats["writes"] == 2 and stats["failures"] == 0 and stats["retained_extended"] == 2
+        store.close()
+    finally:
+        server.kill()
+
+
 def test_circuit_breaker_backoff():
     now = [0.0]
     breaker = CircuitBreaker(base=1.0, cap=4.0, clock=lambda: now[0])

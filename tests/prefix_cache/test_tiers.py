@@ -206,6 +206,65 @@ def test_write_through_then_remote_hits():
     assert load is not None and len(load.remote_payloads) == 2
 
 
+class RetainingStore(DictStore):
+    """DictStore with long retention: entries' least expiry (seconds) and the writer's absent-key reports."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expiry: dict[bytes, float] = {}
+        self.missing: list = []
+
+    def put(self, meta: BlockMeta, payload, *, ttl_s: float | None = None) -> bool:
+        if ttl_s is not None:
+            self.expiry[meta.key] = max(ttl_s, self.expiry.get(meta.key, 0.0))
+        return super().put(meta, payload)
+
+    def retain(self, keys, ttl_s: float) -> bool:
+        for k in keys:
+            if k in self.values:
+                self.expiry[k] = max(ttl_s, self.expiry.get(k, 0.0))
+            else:
+                self.missing.append((k, ttl_s))
+        return True
+
+    def take_missing(self):
+        out, self.missing = self.missing, []
+        return out
+
+    @property
+    def has_missing(self) -> bool:
+        return bool(self.missing)
+
+
+def test_a_long_retention_extends_present_entries_and_writes_absent_ones_from_the_device():
+    store = RetainingStore()
+    blocks, tiers = _setup(num_blocks=6, host_slots=0, remote=store)
+    tiers.begin_step()
+    blocks.allocate("a", 13, token_ids=PROMPT)
+    tiers.take_transfers()
+    tiers.end_step(True)
+    blocks.commit("a", PROMPT, 13)
+    writes = tiers.take_writes()
+    tiers.submit_writes(writes[:1] + writes[2:], [b"\0" * LAYOUT.nbytes] * 2)  # block 1's write was dropped
+    chain, _ = blocks.retain_prefix("a", 13, 3600.0)
+    assert not tiers.has_pending_retained
+    tiers.persist({b: 3600.0 for b in chain})
+    assert tiers.has_pending_retained
+    assert store.expiry == {writes[0].meta.key: 3600.0, writes[2].meta.key: 3600.0}  # extended, not rewritten
+    retained = tiers.take_writes()  # what a step's end (or the idle engine) writes: block 1, with its expiry
+    assert [(w.block_id, w.meta, w.ttl_s) for w in retained] == [(chain[1], writes[1].meta, 3600.0)]
+    tiers.submit_writes(retained, [b"\1" * LAYOUT.nbytes])
+    assert store.expiry[writes[1].meta.key] == 3600.0 and len(store.values) == 3
+    blocks.free("a")
+    _check(blocks, tiers)
+    # absent from the store and evicted from the device before the write: counted as lost, nothing written
+    del store.values[writes[2].meta.key]
+    tiers.persist({chain[2]: 7200.0})
+    blocks.evict(6)
+    assert tiers.take_writes() == [] and tiers.stats()["remote_retained_lost"] == 1
+    _check(blocks, tiers)
+
+
 def test_cost_model_decides_from_measurements():
     costs = LoadCostModel(block_size=16, probe_every=4)
     assert costs.worth_loading("remote")  # nothing measured yet: load, and so measure
