@@ -6,6 +6,8 @@
     POST /v1/cache/retain   {... , ttl: seconds}  compute the prefix (one forward) and retain it: warm a RAG
                             corpus or a system prompt + tools before traffic arrives
     POST /v1/cache/release  {...}                 end its retention (it is evicted in LRU order again)
+    POST /v1/cache/check                          the engine's invariants (check_integrity, between steps) and
+                                                  its block counts: a soak's or an operator's leak check
 
 A prompt is tokenized as /tokenize does; `messages` are rendered by the chat template with the generation
 prompt (what a chat request with those messages and `tools` sends). Retention is an eviction order, never a
@@ -58,6 +60,18 @@ class CacheRetainResponse(msgspec.Struct):
 
 class CacheReleaseResponse(msgspec.Struct):
     released_tokens: int
+
+
+class CacheCheckResponse(msgspec.Struct):
+    ok: bool  # every invariant of the block pool, the tiers and the scheduler holds
+    error: str | None  # the first that did not
+    blocks_in_use: int  # held by requests (0 when none is in flight)
+    retained_blocks: int
+    free_blocks: int
+    evictable_blocks: int
+    num_blocks: int
+    running: int
+    waiting: int
 
 
 def _state(request: Request) -> ServerState:
@@ -131,4 +145,12 @@ async def cache_release(request: Request) -> Response:
     return _json(CacheReleaseResponse(released))
 
 
-CACHE_ROUTES = [cache_lookup, cache_retain, cache_release]
+@post("/v1/cache/check", status_code=200, guards=[require_api_key], tags=["Cache"],
+      operation_class=api_operation(None, CacheCheckResponse, errors=(401,)),
+      summary="Check the KV cache's invariants and count its blocks")
+async def cache_check(request: Request) -> Response:
+    report = await _state(request).require_engine().integrity_report()
+    return _json(CacheCheckResponse(**report))
+
+
+CACHE_ROUTES = [cache_lookup, cache_retain, cache_release, cache_check]

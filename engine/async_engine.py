@@ -239,6 +239,10 @@ class AsyncEngine(FrontendSurface):
             found["remote_tokens"] = await asyncio.to_thread(self.engine.remote_cached_tokens, keys)
         return found
 
+    async def integrity_report(self) -> dict:
+        """Engine.integrity_report on the engine thread (between steps): the invariants and block counts."""
+        return await self._call(lambda core: core.integrity_report())
+
     async def cache_release(self, token_ids: list[int], *, cache_salt: str | None = None) -> int:
         """Engine.cache_release on the engine thread: end the prefix's retention; the tokens released."""
         return await self._call(lambda core: core.cache_release(token_ids, cache_salt=cache_salt))

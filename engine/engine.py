@@ -361,6 +361,20 @@ class Engine:
             **(self.drafter.counters.snapshot() if self.drafter is not None else {}),
         }
 
+    def integrity_report(self) -> dict:
+        """check_integrity() as data, for an operator (POST /v1/cache/check) or a soak: whether every
+        invariant holds (``error`` says which did not) and the block counts beside it."""
+        try:
+            self.check_integrity()
+            error = None
+        except AssertionError as exc:
+            error = str(exc) or "an invariant does not hold"
+        usage = self.blocks.usage()
+        return {"ok": error is None, "error": error, "blocks_in_use": usage["num_in_use"],
+                "retained_blocks": usage["num_retained"], "free_blocks": usage["num_free"],
+                "evictable_blocks": usage["num_evictable"], "num_blocks": usage["num_blocks"],
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}
+
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
         self.tiers.check_integrity()

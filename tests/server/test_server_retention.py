@@ -85,3 +85,18 @@ def test_the_operator_retains_looks_up_and_releases_a_prefix(base_url, fresh):
     assert r.status_code == 400 and r.json()["error"]["param"] == "ttl"
     r = httpx.post(f"{base_url}/v1/cache/lookup", json={"prompt": "x", "messages": []}, headers=headers)
     assert r.status_code == 400
+
+
+def test_the_operator_checks_the_cache_invariants_and_counts(base_url, fresh):
+    """POST /v1/cache/check: check_integrity on the engine thread, and the counts a leak check reads."""
+    headers = {"Authorization": "Bearer sk-test"}
+    assert httpx.post(f"{base_url}/v1/cache/check").status_code == 401
+    r = httpx.post(f"{base_url}/v1/cache/retain", json={"prompt": SYSTEM, "ttl": 600}, headers=headers, timeout=60)
+    retained = r.json()["retained_tokens"]
+    report = httpx.post(f"{base_url}/v1/cache/check", headers=headers).json()
+    assert report["ok"] and report["error"] is None
+    assert report["blocks_in_use"] == 0 and report["running"] == report["waiting"] == 0  # nothing in flight
+    assert report["retained_blocks"] * 16 == retained  # the tiny engine's 16-token blocks
+    assert report["free_blocks"] + report["evictable_blocks"] == report["num_blocks"]
+    httpx.post(f"{base_url}/v1/cache/release", json={"prompt": SYSTEM}, headers=headers)
+    assert httpx.post(f"{base_url}/v1/cache/check", headers=headers).json()["retained_blocks"] == 0
