@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import bar_plot, write_json  # noqa: E402
 from benchmarks._peer_jobs import VLLM_ENV, VLLM_VENV, vllm_python  # noqa: E402
-from benchmarks.serve_vs_vllm import NAME, free_port  # noqa: E402
+from benchmarks.serve_vs_vllm import NAME, free_port, serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("vllm", "prefixserve", "prefixserve+retention", "prefixserve+retention+fp8")
@@ -248,37 +247,11 @@ def kv_bytes_per_token(folder: str, dtype: str) -> int:
 
 
 def measure(variant: str, folder: str, dtype: str, traffic: Traffic, kv_bytes: int, logs: Path) -> dict:
-    import contextlib
-    import signal
-    import subprocess
-
-    import httpx
-
     port = free_port()
     cmd, env = server(variant, folder, dtype, port, kv_bytes)
-    log = logs / f"{variant}.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-        t0, url = time.monotonic(), f"http://127.0.0.1:{port}"
-        try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{variant} exited at start-up: see {log}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() - t0 > 600:
-                    raise RuntimeError(f"{variant} not ready after 600 s: see {log}")
-                time.sleep(1)
-            startup = time.monotonic() - t0
-            result = asyncio.run(drive(url, traffic, use_key="retention" in variant))
-            return {"startup_s": round(startup, 1), **result}
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    with serving(cmd, env, port, logs / f"{variant}.log", variant) as (url, startup, _):
+        result = asyncio.run(drive(url, traffic, use_key="retention" in variant))
+    return {"startup_s": round(startup, 1), **result}
 
 
 def main() -> None:

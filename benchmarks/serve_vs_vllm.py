@@ -65,10 +65,18 @@ def server_command(engine: str, folder: str, dtype: str, port: int) -> tuple[lis
 @contextlib.contextmanager
 def running(engine: str, folder: str, dtype: str, log: Path, timeout_s: float = 600):
     """A server on a free port until the block ends; yields (base_url, start-up seconds)."""
-    import httpx
-
     port = free_port()
     cmd, env = server_command(engine, folder, dtype, port)
+    with serving(cmd, env, port, log, engine, timeout_s) as (url, startup, _):
+        yield url, startup
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], env: dict, port: int, log: Path, name: str, timeout_s: float = 600):
+    """``cmd`` (a server listening on ``port``) started in its own session, waited for (/health 200) and
+    stopped (SIGTERM, then SIGKILL after 60 s) when the block ends; yields (base_url, start-up seconds, process)."""
+    import httpx
+
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         t0 = time.monotonic()
@@ -76,14 +84,14 @@ def running(engine: str, folder: str, dtype: str, log: Path, timeout_s: float = 
             url = f"http://127.0.0.1:{port}"
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{engine} server exited at start-up: see {log}")
+                    raise RuntimeError(f"{name} server exited at start-up: see {log}")
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                         break
                 if time.monotonic() - t0 > timeout_s:
-                    raise RuntimeError(f"{engine} server not ready after {timeout_s} s: see {log}")
+                    raise RuntimeError(f"{name} server not ready after {timeout_s} s: see {log}")
                 time.sleep(1)
-            yield url, time.monotonic() - t0
+            yield url, time.monotonic() - t0, proc
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
