@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TRITON_TESTS = ("test_paged_attention_decode.py", "test_paged_attention_prefill.py", "test_store_kv.py",
-                "test_elementwise_triton.py", "test_kv_cache_fp8.py",
+                "test_elementwise_triton.py", "test_kv_fp8_kernels.py",
                 "test_copy_blocks.py", "test_attention_ops.py", "test_masked_attention.py")
 # The interpreter runs a kernel a thousand times slower: the dry run takes the cheap kernels' Triton cases.
 DRY_RUN_TESTS = ("test_store_kv.py", "test_copy_blocks.py")
