@@ -137,6 +137,10 @@ class Dispatcher:
                     logger.warning("%s %s measured while the CPUs were oversubscribed (load %.1f on %d): used "
                                    "for this process only, measured again at the next start", op, key,
                                    os.getloadavg()[0], os.cpu_count() or 1)
+                elif implausible(choice.times_ms):
+                    logger.warning("%s %s: a candidate took longer on fewer rows than on more (%s): measured "
+                                   "under interference the load average missed; used for this process only",
+                                   op, key, implausible(choice.times_ms))
                 else:
                     self._store(choice, names)
         self.choices[full_key] = choice
@@ -281,6 +285,20 @@ def _threshold(names: list[str], times: dict[str, dict[str, float]], rows) -> tu
     if t == 0:
         return ((EVERY, large),)
     return ((EVERY, small),) if t == max(rows) else ((t, small), (EVERY, large))
+
+
+def implausible(times_ms: dict[str, dict[str, float]], slack: float = 2.0, floor_ms: float = 0.05) -> str | None:
+    """A candidate whose call on fewer rows took over ``slack`` x its call on more rows (more rows are more
+    work: such timings were taken while something else ran), as "name: rows r1 t1 ms > rows r2 t2 ms"; None
+    when every candidate's time grows with its rows (differences under ``floor_ms`` are timer noise). (An AMD EPYC Zen 4 under a saturated server beside the
+    tests cached int4_vnni at 12 ms for 1 row against 0.19 ms for 64, which the load average had missed.)"""
+    for name, by_rows in times_ms.items():
+        points = sorted((int(r), t) for r, t in by_rows.items())
+        for i, (r1, t1) in enumerate(points):
+            for r2, t2 in points[i + 1:]:
+                if t1 > slack * t2 and t1 - t2 > floor_ms:
+                    return f"{name}: rows {r1} {t1:.3g} ms > rows {r2} {t2:.3g} ms"
+    return None
 
 
 def busy() -> bool:

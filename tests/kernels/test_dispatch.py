@@ -92,6 +92,27 @@ def test_timings_taken_on_busy_cpus_are_used_but_not_cached(tmp_path, caplog):
     assert again.how == "measured"  # nothing was cached: the next start measures again
 
 
+def test_timings_that_shrink_with_more_rows_are_used_but_not_cached(tmp_path, caplog):
+    """More rows are more work: a candidate timed slower on 1 row than on 64 ran beside something else."""
+    from kernels.cpu.dispatch import implausible
+
+    seen = {"int4_vnni": {"1": 11.97, "8": 13.13, "64": 0.19, "512": 1.08}, "int4": {"1": 7.46, "512": 2.2}}
+    assert implausible(seen).startswith("int4_vnni: rows 1 ")
+    assert implausible({"a": {"1": 0.01, "8": 0.004}}) is None  # microseconds apart: timer noise
+    assert implausible({"a": {"1": 0.1, "8": 0.5, "64": 3.0}}) is None
+    d = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: False)
+    import kernels.cpu.dispatch as dispatch
+
+    measured = dispatch.Choice("op", "k", ((dispatch.EVERY, "fast"),), times_ms={"fast": {"1": 5.0, "64": 0.3}})
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.WARNING, logger="prefixserve"):
+        mp.setattr(d, "_measure", lambda *a, **k: measured)
+        first = d.choose("op", "k", ["fast"], setup_one(), (1, 64))
+    assert first is measured and "fewer rows" in caplog.text
+    again = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: False).choose("op", "k", ["fast"],
+                                                                                       setup_one(), (1, 64))
+    assert again.how == "measured"  # nothing was cached
+
+
 def setup_one():
     return lambda: ({"fast": lambda x: x}, lambda m: torch.ones(m, 4), lambda x: x)
 
