@@ -59,3 +59,13 @@ def tiny_model_factory(
             return cache[key]
 
     return make
+
+
+@pytest.fixture
+def prefix():
+    """A key prefix of its own on the shared Redis at 127.0.0.1:6379, its keys deleted after the test."""
+    from fixtures.redis_servers import SHARED_URL, delete_prefix, unique_prefix
+
+    p = unique_prefix()
+    yield p
+    delete_prefix(SHARED_URL, p)

@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.errors import InvalidConfigError
-from fixtures.redis_servers import SHARED_URL, delete_prefix, unique_prefix
+from fixtures.redis_servers import SHARED_URL
 
 from engine_testlib import random_ids, run_checked, tiny_llm
 
@@ -24,13 +24,6 @@ _IDS = itertools.count()
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory):
     return tiny_model_factory("qwen2")  # GQA: 4 query heads over 2 KV heads, head_dim 16
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    delete_prefix(SHARED_URL, p)
 
 
 def _run(llm: LLM, prompts, params=GREEDY) -> list:

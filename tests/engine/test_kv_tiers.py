@@ -17,7 +17,7 @@ import redis
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.errors import InvalidConfigError
-from fixtures.redis_servers import SHARED_URL, RedisServer, delete_prefix, unique_prefix
+from fixtures.redis_servers import SHARED_URL, RedisServer
 
 from engine_testlib import assert_greedy_match, hf_greedy, random_ids, run_checked
 
@@ -29,13 +29,6 @@ HOST_MEMORY = 1 << 20  # 128 tiny-model blocks of 8 KiB
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory):
     return tiny_model_factory("qwen2")
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    delete_prefix(SHARED_URL, p)
 
 
 def _llm(path, **kw) -> LLM:

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from engine import LLM, SamplingParams
-from fixtures.redis_servers import SHARED_URL, RedisServer, delete_prefix, unique_prefix
+from fixtures.redis_servers import SHARED_URL, RedisServer, unique_prefix
 from prefix_cache.kv_codec import decode_block
 
 from engine_testlib import random_ids, run_checked
@@ -24,13 +24,6 @@ SHORT_TTL = 60  # kv_redis_ttl of these engines: what an ordinary write-through 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory):
     return tiny_model_factory("qwen2")
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    delete_prefix(SHARED_URL, p)
 
 
 @pytest.fixture(scope="module")

@@ -7,19 +7,12 @@ import time
 import pytest
 import redis
 
-from fixtures.redis_servers import SHARED_URL, RedisServer, delete_prefix, unique_prefix
+from fixtures.redis_servers import SHARED_URL, RedisServer
 from prefix_cache.hashing import block_key
 from prefix_cache.kv_codec import BlockMeta, KVLayout, digest, encode_block
 from prefix_cache.redis_store import CircuitBreaker, RedisKVStore, layout_namespace
 
 SHAPE = (2, 2, 4, 1, 2)  # 128 bytes of float32
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix()
-    yield p
-    delete_prefix(SHARED_URL, p)
 
 
 def _layout(prefix: str) -> KVLayout:
