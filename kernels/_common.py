@@ -125,6 +125,17 @@ def check_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> t
     return nb, bs, hkv, d
 
 
+def kv_rows_packed(x: torch.Tensor) -> bool:
+    """key / value [T, Hkv, D] with each token's heads contiguous (what the C store kernels read)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def kv_slots_packed(cache: torch.Tensor) -> bool:
+    """A cache [NB, BS, Hkv, D] whose slots are evenly spaced with contiguous rows (the C kernels' layout)."""
+    nb, bs, hkv, d = cache.shape
+    return cache.stride(3) == 1 and cache.stride(2) == d and cache.stride(1) == hkv * d and cache.stride(0) == bs * hkv * d
+
+
 def activation_dtype(cache_dtype: torch.dtype, x) -> torch.dtype:
     """The dtype an op's query / key / value must have: the cache's, or with an fp8 cache the model dtype
     they come in (any float dtype)."""

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from .._common import cdiv
+from .._common import cdiv, kv_rows_packed, kv_slots_packed
 from ..interface import KernelOps, debug_kernels
 from ..kv_quant import dequantized_blocks
 from ..paged_attention_decode import _validate as _validate_decode
@@ -39,8 +39,8 @@ C_DTYPES = (torch.float32, torch.bfloat16)  # activations the C kernels take (DT
 def store_kv_fp8_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     t, nb, bs, hkv, d = _validate_store(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     native = native_kernels()
-    if native is None or key.dtype not in C_DTYPES or not (_rows_packed(key) and _rows_packed(value)
-                                                          and _slots_packed(k_cache) and _slots_packed(v_cache)):
+    if native is None or key.dtype not in C_DTYPES or not (kv_rows_packed(key) and kv_rows_packed(value)
+                                                          and kv_slots_packed(k_cache) and kv_slots_packed(v_cache)):
         return store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if t == 0:
         return
@@ -56,15 +56,6 @@ def _store(fn, key, value, k_cache, v_cache, slots, k_scale, v_scale) -> None:
              float(v_scale))
     if bad:
         raise IndexError(f"store_kv: slot_mapping holds slots outside [0, {nb * bs})")
-
-
-def _rows_packed(x: torch.Tensor) -> bool:  # each token's [Hkv, D] contiguous
-    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
-
-
-def _slots_packed(cache: torch.Tensor) -> bool:  # [NB, BS, Hkv, D]: slots evenly spaced, rows contiguous
-    nb, bs, hkv, d = cache.shape
-    return cache.stride(3) == 1 and cache.stride(2) == d and cache.stride(1) == hkv * d and cache.stride(0) == bs * hkv * d
 
 
 def paged_attention_decode_fp8_cpu(query, k_cache, v_cache, block_tables, seq_lens, scale, window: int = 0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .._common import kv_rows_packed, kv_slots_packed
 from .fp8_kv import store_kv_fp8_cpu
 from .native import native_kernels
 from ..kv_quant import is_fp8
@@ -35,8 +36,8 @@ def store_kv_cpu(
         return store_kv_fp8_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     t, nb, bs, hkv, d = _validate(key, value, k_cache, v_cache, slot_mapping)
     native = native_kernels()
-    if native is None or not (_rows_packed(key) and _rows_packed(value) and _slots_packed(k_cache)
-                              and _slots_packed(v_cache) and key.device.type == "cpu"):
+    if native is None or not (kv_rows_packed(key) and kv_rows_packed(value) and kv_slots_packed(k_cache)
+                              and kv_slots_packed(v_cache) and key.device.type == "cpu"):
         return store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
     if t == 0:
         return
@@ -50,10 +51,3 @@ def store_kv_cpu(
         raise IndexError(f"{_OP}: slot_mapping holds slots outside [0, {nb * bs})")
 
 
-def _rows_packed(x: torch.Tensor) -> bool:  # each token's [Hkv, D] contiguous
-    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
-
-
-def _slots_packed(cache: torch.Tensor) -> bool:  # [NB, BS, Hkv, D]: slots evenly spaced, rows contiguous
-    nb, bs, hkv, d = cache.shape
-    return cache.stride(3) == 1 and cache.stride(2) == d and cache.stride(1) == hkv * d and cache.stride(0) == bs * hkv * d
