@@ -112,6 +112,10 @@ def test_down_hung_and_restarted_server():
         start = time.monotonic()
         assert store.fetch_prefix(keys) == []
         assert time.monotonic() - start < 0.05
+        # writes while it is down are dropped at once (counted), not queued: an outage holds no block bytes
+        dropped = store.stats()["dropped_writes"]
+        assert not any(store.put(m, _payload(0)) for m in _chain(50, seed=7))
+        assert store.stats()["pending_writes"] == 0 and store.stats()["dropped_writes"] == dropped + 50
         # back (empty, no persistence): after the backoff the store reconnects by itself
         server.start()
         deadline = time.monotonic() + 5

@@ -179,3 +179,20 @@ def test_preemption_with_drafts_gives_the_same_tokens(copying, mode):
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_two_tensor_parallel_ranks_with_drafts_give_the_same_tokens(copying):
+    """Under tensor parallelism a row of drafts goes to every rank like any multi-token row: both methods
+    give the tokens of one rank decoding one token a step, and drafts are both accepted and rejected."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = _run_checked(_llm(copying), PROMPTS, params)
+    for method in ("ngram", "suffix"):
+        llm = _llm(copying, {"method": method, "num_speculative_tokens": 4}, tensor_parallel_size=2)
+        try:
+            spec = _run_checked(llm, PROMPTS, params)
+            assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain], method
+            stats = llm.engine.stats()
+            assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], method
+            assert llm.kv_cache_usage()["num_in_use"] == 0
+        finally:
+            llm.engine.close()

@@ -2,6 +2,7 @@
 longest earlier match and never cross a cache_salt, the step-cost rule, and trimming blocks."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.sampler import Sampler, SampleRow
@@ -112,3 +113,33 @@ def test_trim_releases_only_the_blocks_past_the_kept_tokens():
         raise AssertionError("trimmed a committed block")
     blocks.free("s")
     blocks.check_integrity()
+
+
+@pytest.mark.parametrize("mask", [None, 7])
+def test_shared_index_finds_exactly_the_true_matches_even_when_keys_collide(monkeypatch, mask):
+    """Every candidate is a real earlier occurrence in the asker's namespace; with an honest hash they are
+    the newest such occurrences, and with 3-bit keys (every key collides) still never a wrong or foreign one.
+    Forgetting keeps the index exact (check_integrity compares it with the documents held)."""
+    import random
+
+    from engine.speculative import index as index_module
+
+    if mask is not None:
+        monkeypatch.setattr(index_module, "_MASK", mask)
+    rng = random.Random(0)
+    docs = SharedIndex(2, max_requests=6)
+    held: list[tuple[str, list[int]]] = []
+    for i in range(20):
+        namespace, tokens = "ab"[i % 2], [rng.randrange(6) for _ in range(rng.randint(3, 40))]
+        docs.add(namespace, tokens)
+        held = (held + [(namespace, tokens)])[-6:]
+        docs.check_integrity()
+        for namespace in "ab":
+            query = [rng.randrange(6) for _ in range(5)]
+            found = [(m.tokens.tolist(), m.end, m.length) for m in docs.candidates(namespace, query, 8)]
+            truth = [(t, end) for ns, t in held if ns == namespace
+                     for end in range(2, len(t)) if t[end - 2:end] == query[-2:]]
+            for tokens, end, length in found:
+                assert (tokens, end) in truth and length >= 2 and tokens[end - length:end] == query[-length:]
+            if mask is None:
+                assert [(t, e) for t, e, _ in found] == truth[-8:]
