@@ -31,11 +31,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import bar_plot, write_json  # noqa: E402
-from benchmarks.serve import wait_healthy  # noqa: E402
+from benchmarks._llama_cpp import LLAMA_SERVER, installed, llama_server  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf  # noqa: E402
 
-LLAMA_SERVER = Path(__file__).resolve().parent / ".peers" / "llama.cpp" / "build" / "bin" / "llama-server"
 TOKENS = 64
 HELD_OUT = (
     "The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only "
@@ -117,15 +116,9 @@ def llama_cpp_tokens(base: str) -> list[int]:
 
 
 def llama_cpp(gguf: Path) -> dict | None:
-    if not LLAMA_SERVER.exists():
+    if not installed():
         return None
-    port = 18700
-    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(gguf), "--port", str(port), "-c", "4096", "-np", "8",
-                             "-cb", "-t", str(len(os.sched_getaffinity(0))), "--no-warmup"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, 60)
+    with llama_server(gguf, slots=8, ctx_per_slot=512) as base:
 
         def one(p: list[int]) -> dict:
             r = httpx.post(f"{base}/completion", json={"prompt": p, "n_predict": TOKENS, "temperature": 0,
@@ -140,9 +133,6 @@ def llama_cpp(gguf: Path) -> dict | None:
                 timings = list(pool.map(one, prompts(8)))
             batch = max(batch, sum(t["predicted_n"] for t in timings) / max(t["predicted_ms"] for t in timings) * 1e3)
         return {"single_stream_tok_s": single, "batch8_tok_s": batch, "held_out_tokens": llama_cpp_tokens(base)}
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def main() -> None:

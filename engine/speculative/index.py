@@ -25,6 +25,28 @@ def _namespace_hash(namespace: object) -> int:
     return hash(namespace) & _MASK
 
 
+def _position_keys(seed: int, tokens, k: int, start: int, stop: int) -> list[int]:
+    """The key of every position ``end`` in [start, stop): a 60-bit polynomial hash of ``seed`` and the
+    ``k`` tokens before ``end``. A long run is hashed at once with numpy (a tuple key per position cost
+    ~8 us a token to index); a few new tokens in Python, with the same arithmetic."""
+    count = stop - start
+    if count <= 0:
+        return []
+    if count < 32:
+        keys = []
+        for end in range(start, stop):
+            h = seed
+            for token in tokens[end - k:end]:
+                h = (h * _MULTIPLIER + token) & _MASK
+            keys.append(h)
+        return keys
+    window = np.asarray(tokens[start - k:stop - 1], dtype=np.int64).astype(np.uint64)
+    h = np.full(count, seed, dtype=np.uint64)
+    for j in range(k):
+        h = (h * np.uint64(_MULTIPLIER) + window[j:j + count]) & np.uint64(_MASK)
+    return h.tolist()
+
+
 @dataclass(frozen=True)
 class Match:
     tokens: list[int]  # the document holding the earlier occurrence
@@ -43,22 +65,24 @@ def _match_length(doc: list[int], end: int, query: list[int], limit: int) -> int
 
 class SequenceIndex:
     """A sequence's own tokens. Positions are indexed lazily up to the last token but one (the last
-    ``key_len`` tokens are the query, not a candidate)."""
+    ``key_len`` tokens are the query, not a candidate); keys as SharedIndex's, without a namespace."""
 
     def __init__(self, key_len: int) -> None:
         self.key_len = key_len
-        self.positions: dict[tuple[int, ...], list[int]] = {}
+        self.positions: dict[int, list[int]] = {}  # key hash -> ends, oldest first
         self.indexed = 0  # positions [key_len, indexed) are in ``positions``
 
     def candidates(self, tokens: list[int], max_length: int) -> list[Match]:
-        k = self.key_len
-        for end in range(max(self.indexed, k), len(tokens)):  # end = len(tokens) is the query itself
-            self.positions.setdefault(tuple(tokens[end - k:end]), []).append(end)
-        self.indexed = max(self.indexed, len(tokens))
-        if len(tokens) < k:
+        k, n = self.key_len, len(tokens)
+        start = max(self.indexed, k)
+        for end, key in enumerate(_position_keys(0, tokens, k, start, n), start):  # end = n is the query itself
+            self.positions.setdefault(key, []).append(end)
+        self.indexed = max(self.indexed, n)
+        if n < k:
             return []
-        ends = self.positions.get(tuple(tokens[-k:]), ())
-        return [Match(tokens, e, _match_length(tokens, e, tokens, max_length)) for e in ends[-MAX_CANDIDATES:]]
+        ends = self.positions.get(_position_keys(0, tokens, k, n, n + 1)[0], ())
+        found = (Match(tokens, e, _match_length(tokens, e, tokens, max_length)) for e in ends[-MAX_CANDIDATES:])
+        return [m for m in found if m.length >= k]  # a shorter one is a hash collision
 
 
 class SharedIndex:
@@ -81,21 +105,11 @@ class SharedIndex:
         self._next_id = 0
 
     def _keys(self, namespace: object, tokens: array) -> list[int]:
-        """The key of every position ``end`` in [key_len, len): a 60-bit polynomial hash of the namespace and
-        the ``key_len`` tokens before it, computed for the whole list at once (a per-position tuple hash
-        made adding a 2,000-token request cost ~16 ms on the engine's thread)."""
-        k, n = self.key_len, len(tokens)
-        t = np.frombuffer(tokens, dtype=np.int32).astype(np.uint64)
-        h = np.full(n - k, _namespace_hash(namespace), dtype=np.uint64)
-        for j in range(k):
-            h = (h * np.uint64(_MULTIPLIER) + t[j:n - k + j]) & np.uint64(_MASK)
-        return h.tolist()
+        """The key of every position ``end`` in [key_len, len(tokens))."""
+        return _position_keys(_namespace_hash(namespace), tokens, self.key_len, self.key_len, len(tokens))
 
     def _query_key(self, namespace: object, query: list[int]) -> int:
-        h = _namespace_hash(namespace)
-        for token in query[-self.key_len:]:
-            h = (h * _MULTIPLIER + token) & _MASK
-        return h
+        return _position_keys(_namespace_hash(namespace), query, self.key_len, len(query), len(query) + 1)[0]
 
     def add(self, namespace: object, tokens: list[int]) -> None:
         if self.max_requests == 0 or len(tokens) <= self.key_len or len(tokens) > self.max_tokens:

@@ -143,3 +143,11 @@ def test_shared_index_finds_exactly_the_true_matches_even_when_keys_collide(monk
                 assert (tokens, end) in truth and length >= 2 and tokens[end - length:end] == query[-length:]
             if mask is None:
                 assert [(t, e) for t, e, _ in found] == truth[-8:]
+    own, tokens = SequenceIndex(2), []
+    for _ in range(60):  # a sequence's own index, grown a token at a time and then by a long run
+        tokens += [rng.randrange(6) for _ in range(1 if len(tokens) < 40 else 40)]
+        found = [(m.end, m.length) for m in own.candidates(tokens, 8)]
+        truth = [end for end in range(2, len(tokens)) if tokens[end - 2:end] == tokens[-2:]]
+        assert all(end in truth and length >= 2 for end, length in found)
+        if mask is None:
+            assert [end for end, _ in found] == truth[-8:]
