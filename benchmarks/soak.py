@@ -52,9 +52,12 @@ class Tally:
         self.counts = {"ok": 0, "4xx": 0, "5xx": 0, "broken_stream": 0}
         self.agent_turns = 0
         self.sessions_done = 0
+        self.failures: list[dict] = []  # what each non-ok outcome was (the first 20), for the JSON
 
-    def add(self, outcome: str) -> None:
+    def add(self, outcome: str, detail: str = "") -> None:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        if outcome != "ok" and len(self.failures) < 20:
+            self.failures.append({"outcome": outcome, "detail": detail[:500], "t": time.monotonic()})
 
 
 async def request(client, url: str, prompt: str, max_tokens: int, key: str | None, tally: Tally) -> str:
@@ -66,8 +69,8 @@ async def request(client, url: str, prompt: str, max_tokens: int, key: str | Non
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as r:
             if r.status_code != 200:
-                await r.aread()
-                tally.add("5xx" if r.status_code >= 500 else "4xx")
+                body = (await r.aread()).decode(errors="replace")
+                tally.add("5xx" if r.status_code >= 500 else "4xx", f"{r.status_code} {body}")
                 return ""
             done = False
             async for line in r.aiter_lines():
@@ -76,12 +79,12 @@ async def request(client, url: str, prompt: str, max_tokens: int, key: str | Non
                 elif line.startswith("data: "):
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
-                        tally.add("broken_stream")
+                        tally.add("broken_stream", json.dumps(chunk["error"]))
                         return ""
                     text += [c.get("text", "") for c in chunk.get("choices") or ()]
-            tally.add("ok" if done else "broken_stream")
-    except Exception:  # a dropped connection is a broken stream to a client
-        tally.add("broken_stream")
+            tally.add("ok" if done else "broken_stream", "" if done else "the stream ended without [DONE]")
+    except Exception as exc:  # a dropped connection is a broken stream to a client
+        tally.add("broken_stream", repr(exc))
     return "".join(text)
 
 
@@ -171,7 +174,8 @@ async def drive(url: str, pid: int, args, system: str, words: list[str]) -> dict
         check = (await client.post(f"{url}/v1/cache/check", timeout=60)).json()
         final = await _metrics(client, url)
         watch.cancel()
-    return {"tally": tally.counts, "agent_turns": tally.agent_turns, "sessions": tally.sessions_done,
+    failures = [{**f, "t": round(f["t"] - t0, 1)} for f in tally.failures]
+    return {"tally": tally.counts, "failures": failures, "agent_turns": tally.agent_turns, "sessions": tally.sessions_done,
             "drained_after_s": round(drained - t0, 1), "integrity": check, "final_metrics": final,
             "samples": samples, "redis_events": [{**e, "t": round(e["t"] - t0, 1)} for e in events]}
 

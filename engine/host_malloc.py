@@ -10,7 +10,14 @@ time. vLLM recommends preloading tcmalloc on CPU for the same reason; this gets 
 the allocator every Linux Python already has.
 
 The settings keep up to 32 MiB blocks on the heap and never shrink it below 1 GiB of free top, so
-steady-state steps reuse pages they already own. A user who sets glibc's own variables
+steady-state steps reuse pages they already own.
+
+Arenas. glibc gives threads that contend for malloc arenas of their own (up to 8 per core), and with
+the trim threshold above each keeps the pages of its own high-water mark. A server's threads (the
+engine's, the event loop's, the tokenizer's pool, the Redis writer) thus held ten ~64 MiB arenas on a
+2-core Zen 4, and RSS crept up by one whenever another thread first allocated a large batch: +150 MiB
+over a 30-minute soak after its warm-up. Two arenas (the main heap and one shared by the other threads)
+keep one high-water mark for all of them. A user who sets glibc's own variables
 (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) or preloads another allocator keeps their choice.
 """
 from __future__ import annotations
@@ -23,14 +30,16 @@ import sys
 # mallopt parameter numbers, from glibc's <malloc.h>.
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its dynamic threshold (64-bit)
 TRIM_THRESHOLD_BYTES = 1 << 30
+ARENA_MAX = 2
 
 
 def _user_chose_allocator(environ: os._Environ | dict[str, str]) -> bool:
     """glibc's own threshold variables, malloc tunables, or a preloaded tcmalloc/jemalloc/mimalloc."""
-    if environ.get("MALLOC_MMAP_THRESHOLD_") or environ.get("MALLOC_TRIM_THRESHOLD_"):
+    if environ.get("MALLOC_MMAP_THRESHOLD_") or environ.get("MALLOC_TRIM_THRESHOLD_") or environ.get("MALLOC_ARENA_MAX"):
         return True
     return "malloc" in environ.get("GLIBC_TUNABLES", "") or "malloc" in environ.get("LD_PRELOAD", "")
 
@@ -48,9 +57,8 @@ def tune_host_malloc() -> bool:
     libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     libc.mallopt.restype = ctypes.c_int
     # mallopt returns 1 on success, 0 on error.
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-    )
+    return all([libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
+                libc.mallopt(M_ARENA_MAX, ARENA_MAX)])
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -85,3 +85,47 @@ def test_opted_out_process_is_left_alone():
     env = _clean_env() | {"MALLOC_TRIM_THRESHOLD_": str(128 << 10)}
     applied, _, _ = _page_faults("tuned", env)
     assert applied == "False"
+
+
+# Eight live threads allocate 24 MiB (1 MiB blocks, under the mmap threshold) one after another, each
+# freeing it before the next starts. With an arena per thread each keeps its pages (the trim threshold
+# keeps freed heap); with two arenas they reuse the same pages.
+THREADS = textwrap.dedent("""
+    import ctypes, sys, threading
+    from engine.host_malloc import M_ARENA_MAX, _glibc, tune_host_malloc
+    print(tune_host_malloc())
+    if sys.argv[1] == "uncapped":
+        _glibc().mallopt(M_ARENA_MAX, 64)
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096
+    turns = [threading.Event() for _ in range(9)]
+    done = threading.Event()
+    def work(i):
+        turns[i].wait()
+        blocks = [bytearray(1 << 20) for _ in range(24)]
+        del blocks
+        turns[i + 1].set()
+        done.wait()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    before = rss()
+    turns[0].set()
+    turns[8].wait()
+    print((rss() - before) >> 20)
+    done.set()
+""")
+
+
+def _thread_growth_mib(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", THREADS, mode], capture_output=True, text=True, check=True,
+                         env=_clean_env(), cwd=ROOT)
+    applied, growth = out.stdout.split()
+    assert applied == "True"
+    return int(growth)
+
+
+def test_threads_share_two_arenas_so_rss_keeps_one_high_water_mark():
+    uncapped, capped = _thread_growth_mib("uncapped"), _thread_growth_mib("capped")
+    assert uncapped > 4 * 24, uncapped  # the control: an arena per thread, each keeping its 24 MiB
+    assert capped < 3 * 24, (capped, uncapped)
