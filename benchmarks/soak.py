@@ -39,7 +39,6 @@ from benchmarks.agent_sessions import (NAME, OUT_TOKENS, PAUSE_S, RAG_OUT, RAG_T
 from benchmarks.serve_vs_vllm import free_port, serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-REDIS_PORT = 6379
 RETENTION_TTL_S = 30
 SPECULATIVE = {"method": "suffix", "num_speculative_tokens": 4}
 SAMPLE_EVERY_S = 10.0
@@ -145,17 +144,43 @@ async def _metrics(client, url: str) -> dict:
     return out
 
 
-async def redis_outage(at: float, down_s: float, events: list) -> None:
+class OwnRedis:
+    """A redis-server of the soak's own on a free port, stopped and started again for the outage. Bounded as a
+    cache is run (2 GB, least recently used evicted): two soaks writing an hour-long TTL into the shared
+    server at 6379 grew it to 16.7 GB until the kernel's OOM killer stopped it."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "OwnRedis":
+        self.proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                                      "--appendonly", "no", "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True,
+                             text=True).stdout.strip() != "PONG":
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+async def redis_outage(redis: OwnRedis, at: float, down_s: float, events: list) -> None:
     await asyncio.sleep(max(0.0, at - time.monotonic()))
-    subprocess.run(["redis-cli", "-p", str(REDIS_PORT), "shutdown", "nosave"], capture_output=True)
+    redis.stop()
     events.append({"redis": "down", "t": time.monotonic()})
     await asyncio.sleep(down_s)
-    subprocess.run(["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "--port", str(REDIS_PORT),
-                    "--save", "", "--appendonly", "no"], capture_output=True)
+    redis.start()
     events.append({"redis": "up", "t": time.monotonic()})
 
 
-async def drive(url: str, pid: int, args, system: str, words: list[str]) -> dict:
+async def drive(url: str, pid: int, args, system: str, words: list[str], redis: OwnRedis) -> dict:
     import httpx
 
     tally, samples, events = Tally(), [], []
@@ -164,7 +189,7 @@ async def drive(url: str, pid: int, args, system: str, words: list[str]) -> dict
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(limits=limits, timeout=900) as client:
         watch = asyncio.ensure_future(sampler(client, url, pid, t0, until, samples))
-        outage = asyncio.ensure_future(redis_outage(t0 + args.minutes * 30, 15.0, events))
+        outage = asyncio.ensure_future(redis_outage(redis, t0 + args.minutes * 30, 15.0, events))
         await asyncio.gather(*(agent_slot(client, url, system, words, random.Random(i), until, tally)
                                for i in range(args.sessions)),
                              rag_stream(client, url, words, random.Random(-1), args.rag_rate, until, tally))
@@ -214,15 +239,19 @@ def main() -> None:
     system = _cut(tokenizer, "You are an agent. Tools: " + " ".join(rng.choice(words) for _ in range(1600)), 1500)
     # a third of what the live sessions hold at their longest (~1,500 shared + 5 turns of ~400 each)
     kv_bytes = int((1500 + args.sessions * 2000) / 3) * kv_bytes_per_token(folder, args.dtype)
+    redis = OwnRedis().start()
     port = free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--model", folder, "--served-model-name", NAME,
            "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "4096",
            "--kv-cache-memory", str(kv_bytes), "--prompt-cache-ttl", str(RETENTION_TTL_S),
-           "--kv-redis-url", f"redis://127.0.0.1:{REDIS_PORT}/0", "--kv-redis-key-prefix", f"soak-{uuid.uuid4().hex[:8]}",
+           "--kv-redis-url", f"redis://127.0.0.1:{redis.port}/0", "--kv-redis-key-prefix", f"soak-{uuid.uuid4().hex[:8]}",
            "--kv-redis-ttl", "3600", "--speculative-config", json.dumps(SPECULATIVE)]
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
-    with serving(cmd, dict(os.environ), port, log, "prefixserve") as (url, _, proc):
-        result = asyncio.run(drive(url, proc.pid, args, system, words))
+    try:
+        with serving(cmd, dict(os.environ), port, log, "prefixserve") as (url, _, proc):
+            result = asyncio.run(drive(url, proc.pid, args, system, words, redis))
+    finally:
+        redis.stop()
     result["verdict"] = v = verdict(result, args.minutes)
     server_errors = sum(1 for line in log.read_text().splitlines() if " ERROR " in line or "Traceback" in line)
     result["server_log_errors"] = server_errors

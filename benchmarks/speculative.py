@@ -392,6 +392,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--models", default="int4,fp32", help="ours: int4 (as served) and/or fp32 (dense)")
     ap.add_argument("--guard", action="store_true", help="also the random-token never-slower guard")
     ap.add_argument("--agent-only", action="store_true", help="only the agent loop (through the server)")
     ap.add_argument("--recheck", action="store_true",
@@ -435,7 +436,8 @@ def main() -> None:
         plain = {w: p for w, p in ids.items() if w != "extraction"}
         for mode, r in run_llama_cpp_modes(plain, args.max_tokens).items():
             results[f"int4/{mode}"] = r
-    models = {"int4": {}, "fp32": {"quantization": "none", "dtype": "float32"}}
+    models = {name: kwargs for name, kwargs in {"int4": {}, "fp32": {"quantization": "none", "dtype": "float32"}}.items()
+              if name in args.models.split(",")}
     token_prompts = {w: [{"prompt_token_ids": p} for p in ps] for w, ps in ids.items()}
     for model, kwargs in models.items():
         for mode, spec in MODES.items():
@@ -458,9 +460,11 @@ def main() -> None:
     summary = {}
     for key, r in results.items():
         model, mode = key.split("/")
-        off = results[f"{model}/off"]
+        off = results.get(f"{model}/off", {})  # ours in that dtype, speculation off (absent: not run)
         for name, v in r.items():
-            entry = {"tokens_per_s": v["tokens_per_s"], "x_off": v["tokens_per_s"] / off[name]["tokens_per_s"]}
+            entry = {"tokens_per_s": v["tokens_per_s"]}
+            if name in off:
+                entry["x_off"] = v["tokens_per_s"] / off[name]["tokens_per_s"]
             if not mode.startswith(("vllm", "llama.cpp")):
                 entry["greedy_equal_off"] = v["outputs"] == off[name]["outputs"]
                 entry["acceptance"] = v.get("acceptance")
