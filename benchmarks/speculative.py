@@ -393,6 +393,7 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--models", default="int4,fp32", help="ours: int4 (as served) and/or fp32 (dense)")
+    ap.add_argument("--concurrency", default="1,4,16", help="which of the concurrency levels to run")
     ap.add_argument("--guard", action="store_true", help="also the random-token never-slower guard")
     ap.add_argument("--agent-only", action="store_true", help="only the agent loop (through the server)")
     ap.add_argument("--recheck", action="store_true",
@@ -401,6 +402,8 @@ def main() -> None:
                     help="only versus_vllm's workloads (random tokens: GSP, unique, n=8, beam, TTFT, single stream) "
                          "with speculation off / ngram / suffix, float32, 2 interleaved rounds")
     args = ap.parse_args()
+    for level in [c for c in CONCURRENCY if str(c) not in args.concurrency.split(",")]:
+        del CONCURRENCY[level]
     from transformers import AutoTokenizer
 
     from engine.models.resolve import resolve_model
