@@ -131,7 +131,7 @@ class Drafter:
         self.own.pop(seq.seq_id, None)
         self.acceptance.pop(seq.seq_id, None)
         # One sample of a request is enough to learn from; beam search frees beams every step, each holding
-        # the whole prompt, and never drafts (beam search took 1.11x its time with suffix on, on a Zen 5).
+        # the whole prompt, and never drafts: its beams would only fill the index with copies of the prompt.
         if self.shared is not None and seq.index == 0 and not seq.params.use_beam_search:
             self.shared.add(seq.cache_salt, seq.token_ids)
 
