@@ -14,11 +14,11 @@ steady-state steps reuse pages they already own.
 
 Arenas. glibc gives threads that contend for malloc arenas of their own (up to 8 per core), and with
 the trim threshold above each keeps the pages of its own high-water mark. A server's threads (the
-engine's, the event loop's, the tokenizer's pool, the Redis writer) thus held ten ~64 MiB arenas on a
-2-core Zen 4, and RSS crept up by one whenever another thread first allocated a large batch: +150 MiB
-over a 30-minute soak after its warm-up. Two arenas (the main heap and one shared by the other threads)
-keep one high-water mark for all of them. A user who sets glibc's own variables
-(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) or preloads another allocator keeps their choice.
+engine's, the event loop's, the tokenizer's pool, the Redis writer) held ten ~64 MiB arena heaps on a
+2-core Zen 4 and RSS crept up 15% over a 30-minute soak after its warm-up; with two arenas (the main heap
+and one shared by the other threads) it stayed within 2% (benchmarks/results/amd-zen4-avx512bf16/soak*).
+A user who sets glibc's own variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
+MALLOC_ARENA_MAX) or preloads another allocator keeps their choice.
 """
 from __future__ import annotations
 

@@ -93,8 +93,7 @@ class SharedIndex:
     the namespace and the key's tokens) and a key seen once holds one packed int (doc id << 32 | end), a
     list only from its second occurrence; keys are computed per document with numpy. Measured at 1M tokens
     (tokenized Python sources, RSS, this Zen 4): 65-80 bytes a token, against 155-189 with tuple keys and
-    lists of (doc, end) tuples, and 1.0 us a token to add, against 8.5. A soak's RSS grew for its first ten
-    minutes while the old index filled. A hash collision can only offer a candidate whose tokens then do
+    lists of (doc, end) tuples, and 1.0 us a token to add, against 8.5. A hash collision can only offer a candidate whose tokens then do
     not match (``_match_length`` reads the tokens) and never one of another namespace (checked per candidate)."""
 
     def __init__(self, key_len: int, max_requests: int, max_tokens: int = MAX_SHARED_TOKENS) -> None:
