@@ -15,6 +15,14 @@ Checked at the end (the JSON says each, with the memory curve):
   * RSS flat after warm-up: max / min of the samples after the first sixth of the run within 5%.
 
     python benchmarks/soak.py [--minutes 30] [--sessions 24] [--rag-rate 0.5] [--dtype bfloat16]
+
+An overload variant: four times the RAG rate and clients that give up after 60 s without a byte. A queue
+whose wait reaches the clients' timeout serves mostly requests whose clients leave during their prefill;
+--max-queued-requests sized to what the server finishes within that timeout sheds the rest at once instead:
+
+    python benchmarks/soak.py --minutes 6 --rag-rate 2 --client-timeout 60 --name soak_overload
+    python benchmarks/soak.py --minutes 6 --rag-rate 2 --client-timeout 60 --name soak_overload_shed \
+        --server-args '--max-queued-requests 24'
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -66,7 +75,7 @@ async def request(client, url: str, prompt: str, max_tokens: int, key: str | Non
         body["prompt_cache_key"] = key
     text = []
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as r:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:  # the client's timeout
             if r.status_code != 200:
                 body = (await r.aread()).decode(errors="replace")
                 tally.add("5xx" if r.status_code >= 500 else "4xx", f"{r.status_code} {body}")
@@ -187,7 +196,7 @@ async def drive(url: str, pid: int, args, system: str, words: list[str], redis: 
     t0 = time.monotonic()
     until = t0 + args.minutes * 60
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(limits=limits, timeout=900) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=args.client_timeout) as client:
         watch = asyncio.ensure_future(sampler(client, url, pid, t0, until, samples))
         outage = asyncio.ensure_future(redis_outage(redis, t0 + args.minutes * 30, 15.0, events))
         await asyncio.gather(*(agent_slot(client, url, system, words, random.Random(i), until, tally)
@@ -226,6 +235,10 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--rag-rate", type=float, default=0.5)
+    ap.add_argument("--client-timeout", type=float, default=900.0,
+                    help="seconds a client waits for the next bytes before it gives up (an overload run: short)")
+    ap.add_argument("--server-args", default="", help="more flags for prefixserve serve, e.g. "
+                    "'--max-queued-requests 40' (shed what would wait past the clients' timeout)")
     ap.add_argument("--name", default="soak")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -245,7 +258,7 @@ def main() -> None:
            "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "4096",
            "--kv-cache-memory", str(kv_bytes), "--prompt-cache-ttl", str(RETENTION_TTL_S),
            "--kv-redis-url", f"redis://127.0.0.1:{redis.port}/0", "--kv-redis-key-prefix", f"soak-{uuid.uuid4().hex[:8]}",
-           "--kv-redis-ttl", "3600", "--speculative-config", json.dumps(SPECULATIVE)]
+           "--kv-redis-ttl", "3600", "--speculative-config", json.dumps(SPECULATIVE), *shlex.split(args.server_args)]
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
     try:
         with serving(cmd, dict(os.environ), port, log, "prefixserve") as (url, _, proc):
@@ -256,7 +269,7 @@ def main() -> None:
     server_errors = sum(1 for line in log.read_text().splitlines() if " ERROR " in line or "Traceback" in line)
     result["server_log_errors"] = server_errors
     write_json(args.name, {"minutes": args.minutes, "sessions": args.sessions, "rag_rate": args.rag_rate,
-                           "dtype": args.dtype, "kv_bytes": kv_bytes, "speculative_config": SPECULATIVE,
+                           "client_timeout_s": args.client_timeout, "server_args": args.server_args, "dtype": args.dtype, "kv_bytes": kv_bytes, "speculative_config": SPECULATIVE,
                            "prompt_cache_ttl": RETENTION_TTL_S, **result})
     _plot(args.name, result)
     print(f"soak {args.minutes:.0f} min: {result['tally']}, {result['agent_turns']} agent turns in "

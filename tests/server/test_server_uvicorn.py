@@ -65,6 +65,65 @@ def test_dropped_non_stream_request_is_aborted(base_url, slow_engine):
     wait_for_idle(slow_engine, timeout=3.0)
 
 
+def test_waiting_request_whose_client_left_is_never_computed(base_url, slow_engine, monkeypatch):
+    """A request still queued when its client gives up leaves the queue at once, streamed or not: under
+    overload the engine must not spend a prefill on an answer nobody will read."""
+    import dataclasses
+
+    scheduler, runner = slow_engine.engine.scheduler, slow_engine.engine.runner
+    monkeypatch.setattr(scheduler, "limits", dataclasses.replace(scheduler.limits, max_num_seqs=1))
+    computed: set[str] = set()  # every sequence a forward computed
+    execute = runner.execute
+
+    def recording_execute(batch):
+        computed.update(row.seq_id for row in batch.rows)
+        return execute(batch)
+
+    monkeypatch.setattr(runner, "execute", recording_execute)
+    long = {"model": "tiny", "prompt": "keep going " * 10, "max_tokens": 300, "ignore_eos": True}
+    busy = threading.Thread(target=lambda: httpx.post(f"{base_url}/v1/completions", json=long, timeout=60))
+    busy.start()
+    try:
+        assert wait_until(lambda: len(scheduler.running) == 1)
+        for stream in (True, False):
+            body = {"model": "tiny", "prompt": "never computed " * 10, "max_tokens": 5, "stream": stream}
+            with pytest.raises(httpx.ReadTimeout):  # headers may come (a stream), tokens cannot: it waits
+                httpx.post(f"{base_url}/v1/completions", json=body, timeout=0.5)
+            assert wait_until(lambda: not scheduler.waiting, 2.0), f"still queued (stream={stream})"
+            assert len(scheduler.running) == 1  # the long request alone ran meanwhile
+        assert len(computed) == 1, computed  # the long request's sequence alone was ever computed
+    finally:
+        busy.join(60)
+
+
+def test_idle_keep_alive_outlives_the_clients_own_expiry(tiny_app):
+    """The openai and anthropic SDKs (httpx) drop an idle connection after 5 s; the server keeps it longer, so
+    a request sent on a connection 5.5 s idle is answered (at uvicorn's default of 5 s both sides let go
+    at once and a request in that moment failed with ReadError, as one did in the 30-minute soak)."""
+    import http.client
+
+    import anthropic._constants
+    import openai._constants
+
+    from app.cli import build_parser
+    from app.server import uvicorn_config
+
+    config = uvicorn_config(tiny_app, build_parser().parse_args(["serve"]))
+    expiries = {httpx.Limits().keepalive_expiry, openai._constants.DEFAULT_CONNECTION_LIMITS.keepalive_expiry,
+                anthropic._constants.DEFAULT_CONNECTION_LIMITS.keepalive_expiry}
+    assert config.timeout_keep_alive > max(expiries) + 10, (config.timeout_keep_alive, expiries)
+    with run_uvicorn(tiny_app, timeout_keep_alive=config.timeout_keep_alive) as url:
+        conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+        try:
+            for pause in (0.0, max(expiries) + 0.5):
+                time.sleep(pause)
+                conn.request("GET", "/v1/models")  # the same socket both times (keep-alive)
+                response = conn.getresponse()
+                assert response.status == 200 and json.loads(response.read())["data"]
+        finally:
+            conn.close()
+
+
 def test_health_is_fast_during_heavy_generation(base_url, idle_engine):
     results: list[int] = []
 
