@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
                         help="/v1/responses results kept in this process's memory for previous_response_id and "
                              f"GET /v1/responses/{{id}} (LRU; 0 stores none; default: {DEFAULT_MAX_STORED_RESPONSES})")
+    server.add_argument("--timeout-keep-alive", type=float, default=None,
+                        help="seconds an idle keep-alive connection stays open, as uvicorn's flag; longer than "
+                             "clients' own idle expiry (httpx: 5 s) so they close first (default: 75)")
     server.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish after SIGTERM before aborting them (default: 30)")
     add_engine_args(serve)
