@@ -50,7 +50,8 @@ HELP = {
                                   "ZMQ for KV-aware routers)"),
     "speculative_config": ("speculative", "JSON as vLLM's: {\"method\": \"ngram\" or \"suffix\", "
                                           "\"num_speculative_tokens\": 5, ...}: draft tokens from the context and "
-                                          "earlier requests, verified in one forward (off by default)"),
+                                          "earlier requests, verified in one forward; default auto: suffix decoding on one CPU process, off "
+                                          "on a GPU and under tensor parallelism; off turns it off"),
     "grammar_fast_forward": ("speculative", "structured outputs: tokens the grammar forces (a JSON schema's keys "
                                             "and punctuation) appended without sampling"),
     "max_num_seqs": ("scheduler", "sequences in one step at most"),

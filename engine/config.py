@@ -69,8 +69,9 @@ class EngineConfig:
     # step eagerly, as vLLM's flag of the same name.
     enforce_eager: bool = False
     # Draft-free speculative decoding (engine/speculative/): a SpeculativeConfig, its JSON text (the CLI
-    # flag) or a dict, as vLLM's: {"method": "ngram" | "suffix", "num_speculative_tokens": k, ...}; None: off.
-    speculative_config: SpeculativeConfig | str | dict | None = None
+    # flag) or a dict, as vLLM's: {"method": "ngram" | "suffix", "num_speculative_tokens": k, ...}; None or
+    # "off": off. "auto": suffix decoding on one CPU process, where it measured never slower; off elsewhere.
+    speculative_config: SpeculativeConfig | str | dict | None = "auto"
     # Structured outputs: where the grammar allows only one continuation (a JSON schema's keys and
     # punctuation), its tokens are appended without sampling and computed with the next row.
     grammar_fast_forward: bool = True

@@ -64,8 +64,10 @@ def compare_model(ctx, name: str) -> dict:
     from engine_testlib import assert_greedy_match, hf_greedy
 
     folder = model_folder(ctx, name)
+    # Speculation off, as the default leaves it on a GPU: on the dry run's CPU "auto" would turn it on and
+    # measure a step's cost at up to 256 tokens through the Triton interpreter (a minute per engine).
     llm = LLM(model=str(folder), device=ctx.device, dtype="float32", attention_backend="triton", block_size=16,
-              num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=8)
+              num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=8, speculative_config=None)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     lengths = PROMPT_LENGTHS[:4] if ctx.dry_run else PROMPT_LENGTHS

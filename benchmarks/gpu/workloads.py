@@ -168,6 +168,9 @@ def start_engine(folder: Path, device: str, dry: bool, **options):
 
     t0 = time.perf_counter()
     sizing = {"num_kv_blocks": 512, "attention_backend": "triton"} if dry else {"gpu_memory_utilization": 0.85}
+    # Speculation off, as "auto" leaves it on a GPU (on the dry run's CPU it would measure step costs through
+    # the Triton interpreter); options may still name a speculative_config.
+    options = {"speculative_config": None, **options}
     llm = LLM(str(folder), dtype="bfloat16", device=device, max_num_seqs=MAX_NUM_SEQS,
               max_model_len=256 if dry else MAX_MODEL_LEN, **sizing, **options)
     # Warm-up: compile the Triton kernels for this shape (prefill and decode) before anything is timed.

@@ -24,9 +24,10 @@ def build_drafter(config: SpeculativeConfig | None, runner, max_model_len: int, 
                   grammar_check=None) -> Drafter | None:
     """The engine's drafter (None when speculation is off). On one CPU process the step cost is measured
     now; a GPU, or ranks that must run every forward together, take every draft (a flat cost)."""
+    measure = runner.device.type == "cpu" and not parallel
+    config = SpeculativeConfig.resolve(config, measured=measure)
     if config is None:
         return None
-    measure = runner.device.type == "cpu" and not parallel
     cost = StepCost.measure(runner) if measure else StepCost.flat()
     if measure:
         base = cost.seconds[0]

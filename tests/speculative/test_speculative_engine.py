@@ -166,6 +166,37 @@ def test_engine_config_takes_the_flag_json():
         EngineConfig(speculative_config=[1, 2])
 
 
+def test_the_default_is_suffix_on_one_cpu_process_and_off_elsewhere(copying):
+    """"auto" (the default) resolves where the engine knows its device: suffix where the step cost is
+    measured (one CPU process), off on a GPU or tensor-parallel ranks; "off", None and {} turn it off."""
+    from engine.config import EngineConfig
+    from engine.speculative import SpeculativeConfig
+
+    assert EngineConfig().speculative_config == "auto"
+    for off in (None, "off", "OFF", "none", "", "{}", {}):
+        assert EngineConfig(speculative_config=off).speculative_config is None, off
+    assert SpeculativeConfig.resolve("auto", measured=True).method == "suffix"
+    assert SpeculativeConfig.resolve("auto", measured=False) is None
+    ngram = SpeculativeConfig(method="ngram")
+    assert SpeculativeConfig.resolve(ngram, measured=False) is ngram  # an explicit choice is kept anywhere
+    default = LLM(model=str(copying), num_kv_blocks=64)
+    assert default.engine.drafter is not None and default.engine.drafter.config.method == "suffix"
+    assert LLM(model=str(copying), num_kv_blocks=64, speculative_config="off").engine.drafter is None
+
+
+def test_the_cli_flag_turns_it_off_or_picks_the_method():
+    import argparse
+
+    from app.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).speculative_config == "auto"
+    assert engine_config_from_args(parser.parse_args(["--speculative-config", "off"])).speculative_config is None
+    picked = engine_config_from_args(parser.parse_args(["--speculative-config", '{"method": "ngram"}']))
+    assert picked.speculative_config.method == "ngram"
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_with_drafts_gives_the_same_tokens(copying, mode):
     """A pool too small for every sequence at once: sequences with drafts in flight are preempted and
