@@ -5,8 +5,9 @@ drafts agreeing with the samples are kept, d_1..d_a = t_0..t_{a-1}, then t_a: th
 Why this is exact: greedy rows give the argmax at each position, so the tokens are those of decoding one at
 a time. For sampled rows this is rejection sampling with a draft that has no probabilities (a point mass,
 as vLLM's n-gram drafts): d_i is kept with probability p_i(d_i), and on a rejection t_i is a draw from p_i
-conditioned on not being d_i -- the residual distribution (p - q)+ normalized. Each position's draw comes
-from the sequence's own generator in order, so a seeded request stays reproducible.
+conditioned on not being d_i -- the residual distribution (p - q)+ normalized. A seeded request's draw for
+its j-th output token is keyed by (seed, j) (engine/sampler.py seeded_race_key), not taken from a generator
+in order, so it is the same draw whether or not a draft was verified there, whichever drafts the step chose.
 """
 from __future__ import annotations
 

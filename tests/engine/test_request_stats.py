@@ -9,8 +9,10 @@ from engine import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def llm(tiny_model_factory):
     # A 16-token step budget: a 40-token prompt takes three steps of chunked prefill before its first token.
+    # Speculation off: the tests count one token per decode step (suffix drafts from the earlier requests'
+    # identical prompts would take several a step).
     return LLM(model=str(tiny_model_factory("llama")), block_size=8, num_kv_blocks=64, max_num_batched_tokens=16,
-               max_num_seqs=4, enable_prefix_caching=False)
+               max_num_seqs=4, enable_prefix_caching=False, speculative_config=None)
 
 
 def _run(engine, request_id: str, prompt_len: int, max_tokens: int):
