@@ -13,6 +13,11 @@ the median of --beam-repeats runs, each on fresh token ids. Records whether gree
 Prints one summary line; JSON + PNG under benchmarks/results/.
 
     python benchmarks/versus_vllm.py [--dtypes float32 bfloat16] [--workloads gsp n8 ...] [--skip-vllm]
+                                     [--speculative-config off] [--name versus_vllm_spec_off]
+
+prefixserve runs as users get it (speculative decoding on, by default on the CPU: on random-token prompts
+greedy text repeats and drafts are accepted, so single_stream_decode measures decoding less, not kernels);
+--speculative-config off compares the kernels and the scheduling alone.
 """
 from __future__ import annotations
 
@@ -88,6 +93,9 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--beam-repeats", type=int, default=3)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--speculative-config", default="auto",
+                    help="prefixserve's, as its CLI takes it (default auto: the product's default, suffix decoding on "
+                         "the CPU; 'off' compares kernels and scheduling alone: vLLM runs without speculation)")
     ap.add_argument("--name", default=None, help="results file (default: versus_vllm, or versus_vllm_<shape>)")
     ap.add_argument("--floor", default=None, help="results/<machine>/<FLOOR>.json from benchmarks/floor.py on this "
                                                   "CPU (default: floor, or floor_<shape>)")
@@ -111,8 +119,9 @@ def main() -> None:
     results = {}
     for dtype in args.dtypes:
         vllm = None if args.skip_vllm else run_vllm(path, dtype, jobs)
-        ours = run_ours(path, dtype, jobs)
+        ours = run_ours(path, dtype, jobs, {"speculative_config": args.speculative_config})
         results[dtype] = {"rows": compare(ours, vllm, floor.get(dtype, {})), "prefixserve_startup_s": ours["startup_s"],
+                          "prefixserve_speculative_config": args.speculative_config,
                           "vllm_startup_s": vllm and vllm["startup_s"], "vllm_version": vllm and vllm["vllm_version"]}
     for rows in (r["rows"] for r in results.values()):
         for row in rows.values():
