@@ -170,12 +170,8 @@ def test_keys_are_per_cache_salt(tiny, prefix):
     b.engine.close()
 
 
-def test_only_full_verified_blocks_reach_redis_under_speculative_decoding(tiny_model_factory, prefix, client,
-                                                                        monkeypatch):
-    from engine.speculative import StepCost
-
-    # every offered draft is verified, so drafts are accepted and rejected alike on any machine
-    monkeypatch.setattr(StepCost, "measure", classmethod(lambda cls, runner, sizes=None: cls.flat()))
+def test_only_full_verified_blocks_reach_redis_under_speculative_decoding(tiny_model_factory, prefix, client):
+    # every offered draft is verified (tests/conftest.py), so drafts are accepted and rejected alike anywhere
     copying = tiny_model_factory("llama", tie_word_embeddings=True, init_std=0.1)  # repeats its context
     llm = _llm(copying, prefix, num_kv_blocks=128, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     texts = ["one two three four five six seven eight nine ten " * 6, "abc def ghi " * 10 + "abc",

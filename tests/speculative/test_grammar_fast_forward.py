@@ -54,7 +54,7 @@ def test_a_json_schema_forces_its_keys_and_stays_valid(tiny_model_factory):
     assert llm.kv_cache_usage()["num_in_use"] == 0
 
 
-def test_drafts_under_a_grammar_are_cut_to_what_it_accepts_and_masked_per_position(tiny_model_factory, flat_step_cost):
+def test_drafts_under_a_grammar_are_cut_to_what_it_accepts_and_masked_per_position(tiny_model_factory):
     """Speculation with structured outputs: drafts are validated by the grammar, each verified position is
     masked by the grammar's state after the drafts before it, and the output is exactly that of decoding
     without speculation (fast-forward off on both sides, so tokens line up one for one)."""

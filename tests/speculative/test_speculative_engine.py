@@ -12,11 +12,6 @@ REPEATING = "one two three four five six seven eight nine ten " * 6
 PROMPTS = [REPEATING, "abc def ghi " * 10 + "abc", "The list: red, green, blue, red, green, blue, red, green"]
 
 
-@pytest.fixture(autouse=True)
-def _drafts_do_not_depend_on_timings(flat_step_cost):
-    """Every test here drafts alike on any machine (conftest.py)."""
-
-
 @pytest.fixture
 def copying(tiny_model_factory):
     """A tiny model that half copies: tied embeddings and small weights make it repeat runs of its context
