@@ -53,10 +53,10 @@ class Tally:
         return timed
 
 
-def profile(model: str, dtype: str, job: dict) -> dict:
+def profile(model: str, dtype: str, job: dict, engine_args: dict | None = None) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=MAX_NUM_SEQS)
+    llm = LLM(model, dtype=dtype, max_num_seqs=MAX_NUM_SEQS, **(engine_args or {}))
     core = llm._core  # a profiler reaches inside on purpose
     tally = Tally()
     runner = core.runner
@@ -113,15 +113,19 @@ def main() -> None:
     ap.add_argument("--workload", default="gsp",
                     help="a job of benchmarks/_peer_jobs.py (cached_ttft: the second, cached prompt)")
     ap.add_argument("--name", default=None, help="default: profile_<workload>")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's (default: its own)")
     args = ap.parse_args()
     from transformers import AutoConfig
 
     from engine.models.resolve import resolve_model
 
-    path = str(resolve_model(args.model))
+    from benchmarks.shapes import SHAPES, model_path
+
+    path = str(model_path(args.model) if args.model in SHAPES else resolve_model(args.model))
     job = make_jobs(AutoConfig.from_pretrained(path).vocab_size, workloads=(args.workload,))[0]
     args.name = args.name or f"profile_{args.workload}"
-    results = {d: profile(path, d, job) for d in args.dtypes}
+    engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+    results = {d: profile(path, d, job, engine_args) for d in args.dtypes}
     for d, r in results.items():
         print(f"  {d}: wall {r['wall_s']:.2f} s")
         for k, v in r["seconds"].items():

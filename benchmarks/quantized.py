@@ -10,7 +10,10 @@ against llama.cpp's server on the same GGUF (the anchor; benchmarks/peers/instal
                        (chunks of PPL_CTX tokens, the second half of each scored) for ours and for
                        llama.cpp's own llama-perplexity on the same file and text
 
-    PYTHONPATH=. .venv/bin/python benchmarks/quantized.py
+    PYTHONPATH=. .venv/bin/python benchmarks/quantized.py [--model llama-3.2-1b]
+
+--model llama-3.2-1b: that shape as a Q4_0 GGUF of random weights (benchmarks/shapes.py gguf_checkpoint,
+SmolLM2's tokenizer and vocabulary), speed only; results/<machine>/quantized_llama-3.2-1b.json.
 
 Run on a quiet machine. Prints one summary line; writes results/<machine>/quantized.json + .png.
 """
@@ -136,46 +139,64 @@ def llama_cpp(gguf: Path) -> dict | None:
 
 
 def main() -> None:
-    gguf = _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL])
+    import argparse
+
+    from benchmarks.shapes import SHAPES, gguf_checkpoint
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="the default model's shipped GGUF, or a llama shape of benchmarks/shapes.py (llama-3.2-1b) "
+                         "written as a Q4_0 GGUF of random weights: speed only, no accuracy")
+    args = ap.parse_args()
+    shape = args.model if args.model in SHAPES else None
+    gguf = gguf_checkpoint(shape, "Q4_0") if shape else _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL])
+    name = f"quantized_{shape}" if shape else "quantized"
     results: dict[str, dict] = {}
     runs = (("prefixserve int4", "gguf", "float32"), ("prefixserve int4, bf16 activations", "gguf", "bfloat16"),
             ("prefixserve dequantized fp32", "none", "float32"))
     ours_ids: list[int] = []
-    for name, quantization, dtype in runs:
-        llm = LLM(model=DEFAULT_MODEL, quantization=quantization, dtype=dtype, num_kv_blocks=512)
+    for run, quantization, dtype in runs:
+        # Speculation off: this compares kernels, and llama.cpp runs without its lookup decoding.
+        llm = LLM(model=str(gguf) if shape else DEFAULT_MODEL, quantization=quantization, dtype=dtype,
+                  num_kv_blocks=512, speculative_config=None)
         ours_ids = llm.get_tokenizer()(HELD_OUT).input_ids
-        results[name] = {"weight_bytes": llm.model_info.weight_bytes, "mean_loglik": mean_loglik(llm),
-                         "ppl": chunk_ppl(llm, ours_ids),
-                         "single_stream_tok_s": decode_rate(llm, 1), "batch8_tok_s": decode_rate(llm, 8)}
+        accuracy = {"mean_loglik": mean_loglik(llm), "ppl": chunk_ppl(llm, ours_ids)} if not shape else {}
+        results[run] = {"weight_bytes": llm.model_info.weight_bytes, **accuracy,
+                        "single_stream_tok_s": decode_rate(llm, 1), "batch8_tok_s": decode_rate(llm, 8)}
         del llm
     peer = llama_cpp(gguf)
-    if peer is not None:
+    if peer is not None and shape:
+        peer.pop("held_out_tokens")
+        results["llama.cpp server"] = peer
+    elif peer is not None:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(HELD_OUT)
         peer["ppl"] = llama_perplexity(gguf, Path(f.name))
         os.unlink(f.name)
         peer["same_tokens_as_ours"] = peer.pop("held_out_tokens") == ours_ids
         results["llama.cpp server"] = peer
-    write_json("quantized", {"model": gguf.name, "results": results, "ppl_ctx": PPL_CTX,
-                             "note": "ppl: llama-perplexity's protocol on the held-out text, for llama.cpp its "
-                                     "own llama-perplexity binary; same_tokens_as_ours: llama.cpp's /tokenize "
-                                     "of the text equals our tokenizer's ids"})
+    write_json(name, {"model": gguf.name, "results": results, "ppl_ctx": PPL_CTX,
+                      "note": "ppl: llama-perplexity's protocol on the held-out text, for llama.cpp its own "
+                              "llama-perplexity binary; same_tokens_as_ours: llama.cpp's /tokenize of the text "
+                              "equals our tokenizer's ids; speculative decoding off on both sides"})
     names = list(results)
-    bar_plot("quantized", f"{gguf.name}: decode tokens/s", ["single stream", "batch 8"],
+    bar_plot(name, f"{gguf.name}: decode tokens/s", ["single stream", "batch 8"],
              {n: [results[n]["single_stream_tok_s"], results[n]["batch8_tok_s"]] for n in names}, "tokens/s")
     q, d = results["prefixserve int4"], results["prefixserve dequantized fp32"]
     line = (f"quantized: weights {q['weight_bytes'] / 2**20:.1f} vs {d['weight_bytes'] / 2**20:.1f} MiB "
             f"({d['weight_bytes'] / q['weight_bytes']:.1f}x less); decode single {q['single_stream_tok_s']:.1f} vs "
-            f"{d['single_stream_tok_s']:.1f} tok/s, batch 8 {q['batch8_tok_s']:.1f} vs {d['batch8_tok_s']:.1f}; "
-            f"mean loglik {q['mean_loglik']:.4f} vs {d['mean_loglik']:.4f}, ppl {q['ppl']:.2f} vs {d['ppl']:.2f}")
+            f"{d['single_stream_tok_s']:.1f} tok/s, batch 8 {q['batch8_tok_s']:.1f} vs {d['batch8_tok_s']:.1f}")
+    if not shape:
+        line += (f"; mean loglik {q['mean_loglik']:.4f} vs {d['mean_loglik']:.4f}, "
+                 f"ppl {q['ppl']:.2f} vs {d['ppl']:.2f}")
     if peer is not None:
         line += (f"; llama.cpp single {peer['single_stream_tok_s']:.1f}, batch 8 {peer['batch8_tok_s']:.1f} tok/s "
                  f"(ours {q['single_stream_tok_s'] / peer['single_stream_tok_s']:.2f}x, "
                  f"{q['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x; bf16 activations "
                  f"{results['prefixserve int4, bf16 activations']['single_stream_tok_s'] / peer['single_stream_tok_s']:.2f}x, "
-                 f"{results['prefixserve int4, bf16 activations']['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x), "
-                 f"ppl {peer['ppl']}")
-    print(line)
+                 f"{results['prefixserve int4, bf16 activations']['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x)"
+                 + (f", ppl {peer['ppl']}" if not shape else ""))
+    print(f"{name}: " + line.removeprefix("quantized: "))
 
 
 if __name__ == "__main__":

@@ -87,3 +87,71 @@ def model_path(name: str) -> Path:
     from engine.models.resolve import resolve_model
 
     return Path(resolve_model(name))
+
+
+def gguf_checkpoint(name: str, qtype: str = "Q4_0", seed: int = 0) -> Path:
+    """Shape ``name`` as a llama.cpp GGUF (written once under benchmarks/.models/): random weights, std 0.02,
+    the linears in ``qtype`` (Q4_0 or Q4_1), the token embedding (tied LM head) in Q8_0 as in the shipped
+    SmolLM2 file, norms 1 in F32, and SmolLM2's GGUF tokenizer, so the vocabulary is SmolLM2's 49,152 tokens
+    (llama.cpp requires the embedding's rows to equal the tokenizer's), not the shape's own. Llama shapes only:
+    what both prefixserve (int4 / int8 served from the GGUF) and llama.cpp's server load."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+
+    from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf
+
+    arch, fields = SHAPES[name]
+    if arch != "llama":
+        raise ValueError(f"gguf_checkpoint: {name} is a {arch} shape; only llama shapes are written as GGUF")
+    path = MODELS / f"{name}-{qtype.lower()}.gguf"
+    if path.exists():
+        return path
+    source = GGUFReader(_builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL]))
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    hidden, ffn, heads, kv_heads = (fields[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                         "num_key_value_heads"))
+    head_dim = fields["head_dim"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name(f"{name} (random weights, {qtype})")
+    writer.add_block_count(fields["num_hidden_layers"])
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(fields["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(fields["rms_norm_eps"])
+    writer.add_vocab_size(vocab)
+    writer.add_file_type({"Q4_0": 2, "Q4_1": 3}[qtype])  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_0 / _Q4_1
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            value = field.contents()
+            writer.add_key_value(key, value, kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    rng = np.random.default_rng(seed)
+
+    def add(tensor: str, shape: tuple[int, int] | tuple[int], kind: str) -> None:
+        if kind == "F32":
+            writer.add_tensor(tensor, np.ones(shape, dtype=np.float32))
+            return
+        data = (rng.standard_normal(shape, dtype=np.float32) * 0.02)
+        qt = GGMLQuantizationType[kind]
+        writer.add_tensor(tensor, quantize(data, qt), raw_dtype=qt)
+
+    add("token_embd.weight", (vocab, hidden), "Q8_0")
+    add("output_norm.weight", (hidden,), "F32")
+    for i in range(fields["num_hidden_layers"]):
+        for part, shape in (("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+                            ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, heads * head_dim)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
+            add(f"blk.{i}.{part}.weight", shape, qtype)
+        add(f"blk.{i}.attn_norm.weight", (hidden,), "F32")
+        add(f"blk.{i}.ffn_norm.weight", (hidden,), "F32")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
