@@ -115,6 +115,19 @@ def test_a_tied_vocabulary_is_held_once(tiny_model_factory, dtype, monkeypatch):
     assert torch.equal(model.model.embed_tokens.weight, table) and model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def _second_forms_bytes(llm, dtype: str) -> int:
+    """Bytes of the second forms the dispatcher keeps on purpose: a weight whose measured choice binds one kernel
+    to small row counts and another above (each its own form) where that saves >= 10% (kernels/cpu/dispatch.py).
+    On an Intel Xeon with AMX the tiny model's bfloat16 head kept lanes up to 8 rows and oneDNN above."""
+    size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    total = 0
+    for choice in llm.engine.dispatch.choices.values():
+        if choice.op in ("linear", "linear_silu_mul") and len(choice.names()) > 1:
+            n, k = map(int, choice.key.split()[-1].split("x"))
+            total += n * k * size
+    return total
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_weights_are_held_once_and_come_back_exactly_to_bind_again(tiny_model_factory, dtype):
     """The CPU ops pack each linear into their own form and the module's plain tensor is released; binding the
@@ -124,7 +137,8 @@ def test_weights_are_held_once_and_come_back_exactly_to_bind_again(tiny_model_fa
     if native_kernels() is None:
         pytest.skip("no C compiler: the cpu set packs nothing")
     path = tiny_model_factory("qwen2")  # biases: kept beside their released weights
-    model = _llm(path, dtype).engine.runner.model
+    llm = _llm(path, dtype)
+    model = llm.engine.runner.model
     linears = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj)]
     released = [m.weight.device.type == "meta" for m in linears]
     packs_copies = any(type(w.qkv).__name__ == "CpuLinearWeight" and w.qkv.lanes for w in model._layers)
@@ -132,7 +146,7 @@ def test_weights_are_held_once_and_come_back_exactly_to_bind_again(tiny_model_fa
     fresh = _llm(path, dtype, attention_backend="torch").engine.runner.model  # never packed, never released
     plain = sum(p.numel() * p.element_size() for p in fresh.parameters())
     if packs_copies:  # lanes padding aside, one copy (a tied head would add its table once: qwen2's is not tied)
-        assert resident_bytes(model) < 1.1 * plain
+        assert resident_bytes(model) < 1.1 * plain + _second_forms_bytes(llm, dtype)
     model.bind_ops(reference_ops())
     for a, b in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert a[0] == b[0] and torch.equal(a[1], b[1]), a[0]
