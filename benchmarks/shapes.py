@@ -96,7 +96,7 @@ def gguf_checkpoint(name: str, qtype: str = "Q4_0", seed: int = 0) -> Path:
     (llama.cpp requires the embedding's rows to equal the tokenizer's), not the shape's own. Llama shapes only:
     what both prefixserve (int4 / int8 served from the GGUF) and llama.cpp's server load."""
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
     from gguf.quants import quantize
 
     from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf
@@ -125,7 +125,7 @@ def gguf_checkpoint(name: str, qtype: str = "Q4_0", seed: int = 0) -> Path:
     writer.add_rope_freq_base(fields["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(fields["rms_norm_eps"])
     writer.add_vocab_size(vocab)
-    writer.add_file_type({"Q4_0": 2, "Q4_1": 3}[qtype])  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_0 / _Q4_1
+    writer.add_file_type(LlamaFileType[f"MOSTLY_{qtype}"])
     for key, field in source.fields.items():
         if key.startswith("tokenizer."):
             kind = field.types[0]
@@ -137,7 +137,7 @@ def gguf_checkpoint(name: str, qtype: str = "Q4_0", seed: int = 0) -> Path:
         if kind == "F32":
             writer.add_tensor(tensor, np.ones(shape, dtype=np.float32))
             return
-        data = (rng.standard_normal(shape, dtype=np.float32) * 0.02)
+        data = rng.standard_normal(shape, dtype=np.float32) * 0.02
         qt = GGMLQuantizationType[kind]
         writer.add_tensor(tensor, quantize(data, qt), raw_dtype=qt)
 
