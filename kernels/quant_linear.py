@@ -48,15 +48,18 @@ class QuantizedWeight:
     onednn: tuple[torch.Tensor, torch.Tensor] | None = None
     # int8 LM head: the table in bfloat16, packed for oneDNN, where that computes its logits fastest here
     dense: torch.Tensor | None = None
+    # int8 LM head: the table in the C kernel's 8-bit tiles (packed, scales: int4_linear.pack_int8), where chosen
+    vnni: tuple[torch.Tensor, torch.Tensor] | None = None
     # int8 LM head: ((up to rows, kernel), ...) as measured at bind (with_logits_kernels); () the flags' choice
     logits_spans: tuple[tuple[int, str], ...] = ()
 
     @property
     def nbytes(self) -> int:
         """Bytes held: the table and its scales, and the second forms an LM head keeps (oneDNN's int8 rows,
-        the bfloat16 table)."""
+        the bfloat16 table, the 8-bit tiles)."""
         extra = (self.packed.numel() if self.onednn is not None else 0) + \
-            (self.in_features * self.out_features * 2 if self.dense is not None else 0)
+            (self.in_features * self.out_features * 2 if self.dense is not None else 0) + \
+            (sum(t.numel() * t.element_size() for t in self.vnni) if self.vnni is not None else 0)
         return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size() + extra
 
     @property
@@ -196,14 +199,16 @@ def with_onednn_int8(qw: QuantizedWeight, probe: bool = False) -> QuantizedWeigh
     return dataclasses.replace(qw, onednn=(packed, torch.zeros(qw.out_features, dtype=torch.int64)))
 
 
-# The bfloat16 table is a second copy of the head at twice the int8 bytes (335 MiB for Gemma 3's 262k x 640):
-# kept only where it computes the logits at least this many times faster than the int8 table.
-BF16_HEAD_GAIN = 1.5
+# The bfloat16 table is a second copy of the head at twice the int8 bytes (335 MiB for Gemma 3's 262k x 640), the
+# 8-bit tiles one at the same bytes: each kept only where it computes the logits at least this many times faster
+# than the int8 table.
+HEAD_COPY_GAIN = 1.5
 
 
 def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
     """An int8 LM head with the kernel of its logits measured here per row count (kernels/cpu/choices.py)
-    among torch's int8 kernel ("int8pack"), oneDNN's int8 matmul where the CPU has an int8 dot product
+    among torch's int8 kernel ("int8pack"), the C int4 kernel's tiles with 8-bit weights on AVX512-VNNI
+    ("int8_vnni", a second copy at the int8 bytes, kept only where chosen), oneDNN's int8 matmul where the CPU has an int8 dot product
     ("onednn_int8"; measured once at 670 ms a call where oneDNN ran its reference kernel, against 26 ms for
     int8pack) and the table in bfloat16 through oneDNN ("bf16", a second copy at twice the int8 bytes, kept
     only where chosen); the float32 refinement of quantized_logits follows any of them."""
@@ -223,7 +228,13 @@ def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
         table = bf16_table()
         return lambda x: _bf16_table_logits(x, table)
 
+    def int8_vnni_fn():
+        packed, scales = int4_linear.pack_int8(qw.packed, qw.exact_scales)
+        return lambda x: int4_linear.int8_linear_cpu(x, packed, scales)
+
     candidates = {"int8pack": lambda: (lambda x: quantized_linear(x, qw).float())}
+    if int4_linear.supports_int8(qw.out_features, qw.in_features):
+        candidates["int8_vnni"] = int8_vnni_fn
     if with_onednn_int8(qw, probe=True).onednn is not None:
         candidates["onednn_int8"] = onednn_int8_fn
     # the bfloat16 table: through oneDNN where it has bfloat16 kernels, else through the C row kernel's AVX2 path
@@ -231,10 +242,11 @@ def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
     # 64 for SmolLM2's head, the bfloat16 table 4.8 and ~50)
     if onednn_linear_available() and (onednn_bf16_supported() or _bf16_rows_kernel()):
         candidates["bf16"] = bf16_fn
-    spans = lm_head_spans(dispatch, qw, candidates, second_copies={"bf16": BF16_HEAD_GAIN})
+    spans = lm_head_spans(dispatch, qw, candidates, second_copies={"int8_vnni": HEAD_COPY_GAIN, "bf16": HEAD_COPY_GAIN})  # one at most
     used = {name for _, name in spans}
     return dataclasses.replace(qw, onednn=with_onednn_int8(qw).onednn if "onednn_int8" in used else None,
-                               dense=bf16_table() if "bf16" in used else None, logits_spans=spans)
+                               dense=bf16_table() if "bf16" in used else None, logits_spans=spans,
+                               vnni=int4_linear.pack_int8(qw.packed, qw.exact_scales) if "int8_vnni" in used else None)
 
 
 def _bf16_rows_kernel() -> bool:
@@ -286,6 +298,8 @@ def quantized_logits(x: torch.Tensor, qw: QuantizedWeight, refine: int = REFINED
         logits = _onednn_int8_logits(x, qw)  # [M, V]
     elif kernel == "bf16":
         logits = _bf16_table_logits(x, qw.dense)  # [M, V]
+    elif kernel == "int8_vnni":
+        logits = int4_linear.int8_linear_cpu(x, *qw.vnni)  # [M, V]
     else:
         logits = quantized_linear(x, qw).float()  # [M, V]
     if qw.layout != "int8" or qw.exact_scales is None or refine <= 0:

@@ -2,6 +2,8 @@
 
     int4_linear_cpu(x[M, K], packed, scales, group_size) -> out[M, N]     (x float32 or bfloat16)
     int4_linear_torch(...)                                               the torch reference, same signature
+    int8_linear_cpu(x[M, K], packed, scales) -> out[M, N] float32        an int8 table (LM head), same tiles
+    int8_linear_torch(...)                                               its reference
 
 The weights are groups of ``group_size`` inputs, w = q * d + m with q in [0, 15], packed by
 :func:`pack_int4` into the kernel's tiles of 16 output columns (layout in the C file). Each row of x
@@ -95,6 +97,73 @@ def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
     if rc:
         raise MemoryError("int4_linear: no memory for the quantized activations")
     return out
+
+
+def supports_int8(out_features: int, in_features: int) -> bool:
+    """Whether the 8-bit variant (an int8 LM head's logits) exists on this CPU and takes this shape."""
+    native = native_kernels()
+    return (native is not None and native.int8_linear is not None and out_features % TILE == 0
+            and in_features % ACT_BLOCK == 0)
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 table q [N, K] in [-127, 127] with one scale per row [N] (w = q * scale) -> (packed uint8
+    [N/16, K/4, 16, 4] holding q + 128, scales float16 [N/16, 1, 2, 16]: d = scale, m = -128 scale), for
+    :func:`int8_linear_cpu` (one group of K inputs)."""
+    n, k = q.shape
+    if n % TILE or k % ACT_BLOCK or scale.shape != (n,) or q.dtype != torch.int8:
+        raise ValueError(f"pack_int8: q {tuple(q.shape)} {q.dtype}, scale {tuple(scale.shape)}")
+    u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(n // TILE, TILE, k // 4, 4)
+    packed = u.permute(0, 2, 1, 3).contiguous()  # [N/16, K/4, 16, 4]
+    dm = torch.stack([scale.float(), -128 * scale.float()]).reshape(2, n // TILE, 1, TILE).to(torch.float16)
+    if not torch.isfinite(dm).all():
+        raise ValueError("pack_int8: a row scale overflows float16")
+    return packed, dm.permute(1, 2, 0, 3).contiguous()  # [N/16, 1, 2, 16]
+
+
+def dequantize_int8(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 table [N, K] :func:`int8_linear_cpu` computes with (its float16 scales)."""
+    tiles, quads = packed.shape[:2]
+    q = packed.permute(0, 2, 1, 3).reshape(tiles * TILE, quads * 4).float()  # [N, K], q + 128
+    dm = scales.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE, 1)  # [2, N, 1]
+    return q * dm[0] + dm[1]
+
+
+def _check8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
+    if packed.dim() != 4 or packed.shape[2:] != (TILE, 4) or packed.dtype != torch.uint8 or not packed.is_contiguous():
+        raise ValueError(f"int8_linear: packed must be contiguous uint8 [N/16, K/4, 16, 4], got {tuple(packed.shape)}")
+    n, k = packed.shape[0] * TILE, packed.shape[1] * 4
+    if scales.dtype != torch.float16 or not scales.is_contiguous() or scales.shape != (n // TILE, 1, 2, TILE) \
+            or k % ACT_BLOCK:
+        raise ValueError(f"int8_linear: scales {tuple(scales.shape)} {scales.dtype} do not fit a [{n}, {k}] table")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"int8_linear: x must be float32 or bfloat16 [M, {k}], got {tuple(x.shape)} {x.dtype}")
+
+
+def int8_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 / bfloat16 -> [M, N] float32: the int8 table of :func:`pack_int8` against x's two int8
+    digits, through the int4 kernel's tiles with 8-bit weights (csrc/int4_linear.c ps_int8_linear)."""
+    _check8(x, packed, scales)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    xf = x.float() if x.dtype != torch.float32 else x
+    m, n, k = xf.shape[0], packed.shape[0] * TILE, xf.shape[1]
+    out = torch.empty((m, n), dtype=torch.float32)
+    if m == 0:
+        return out
+    rc = native_kernels().int8_linear(xf.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), m, n, k,
+                                      k, xf.stride(0), n, 0, torch.get_num_threads())
+    if rc:
+        raise MemoryError("int8_linear: no memory for the quantized activations")
+    return out
+
+
+def int8_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The reference of :func:`int8_linear_cpu`: the same int8 rows, the sums in float64."""
+    _check8(x, packed, scales)
+    aq, ad = quantize_activations(x)
+    blocks = aq.shape[1] // ACT_BLOCK
+    xa = (aq.double().reshape(-1, blocks, ACT_BLOCK) * ad.double()[..., None]).reshape(aq.shape)  # [M, K]
+    return (xa @ dequantize_int8(packed, scales).double().t()).float()
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -113,6 +113,9 @@ class NativeKernels:
     # An fp8 e4m3 KV cache with float32 / bfloat16 activations (csrc/kv_fp8.c), keyed by DTYPE_SUFFIX
     store_kv_fp8: dict | None = None
     decode_fp8: dict | None = None
+    # 8-bit weights through the int4 kernel's tiles (csrc/int4_linear.c ps_int8_linear): the int8 LM head's
+    # logits; None without AVX512-VNNI
+    int8_linear: ctypes._CFuncPtr | None = None
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
     # stack alike. Callers check the dtype with has_dtype first.
@@ -279,6 +282,9 @@ def _load(path: Path) -> NativeKernels:
     lib.ps_int4_linear.argtypes, lib.ps_int4_linear.restype = INT4_LINEAR_ARGTYPES, ctypes.c_int64
     lib.ps_int4_linear_available.restype = ctypes.c_int64
     int4_linear = lib.ps_int4_linear if lib.ps_int4_linear_available() else None
+    lib.ps_int8_linear.argtypes, lib.ps_int8_linear.restype = INT4_LINEAR_ARGTYPES, ctypes.c_int64
+    lib.ps_int8_linear_available.restype = ctypes.c_int64
+    int8_linear = lib.ps_int8_linear if lib.ps_int8_linear_available() else None
     lib.ps_top_k_top_p.argtypes, lib.ps_top_k_top_p.restype = TOP_P_ARGTYPES, ctypes.c_int64
     lib.ps_race.argtypes, lib.ps_race.restype = RACE_ARGTYPES, None
     lanes, gated = [], []
@@ -300,7 +306,8 @@ def _load(path: Path) -> NativeKernels:
     return NativeKernels(*funcs, lib.ps_linear_f32, linear_bf16, lib.ps_store_kv, int4_linear, elementwise,
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
                          lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes, lib.ps_race,
-                         bool(lib.ps_prefill_on_amx()), *gated, store_kv_fp8=store_fp8, decode_fp8=decode_fp8)
+                         bool(lib.ps_prefill_on_amx()), *gated, store_kv_fp8=store_fp8, decode_fp8=decode_fp8,
+                         int8_linear=int8_linear)
 
 
 @functools.cache

@@ -175,6 +175,7 @@ def test_the_quantized_head_keeps_only_what_it_binds(tmp_path):
     kernels = {name for _, name in head.logits_spans}
     assert kernels and (head.dense is not None) == ("bf16" in kernels)
     assert (head.onednn is not None) == ("onednn_int8" in kernels)
+    assert (head.vnni is not None) == ("int8_vnni" in kernels)
     assert d.choices["lm_head:int8 512x64"].slowdown() < 1.5
     for rows in (1, 9, 64):
         x = torch.randn(rows, 64)
@@ -188,4 +189,31 @@ def test_forced_int8pack_head_binds_no_second_table(tmp_path):
 
     head = with_logits_kernels(int8_from_float(torch.randn(256, 32)), Dispatcher(cache_dir=tmp_path,
                                                                                  overrides="lm_head=int8pack"))
-    assert head.logits_spans == ((EVERY, "int8pack"),) and head.dense is None and head.onednn is None
+    assert head.logits_spans == ((EVERY, "int8pack"),) and head.dense is None and head.onednn is None and head.vnni is None
+
+
+def test_a_second_copy_is_kept_where_it_pays_and_then_used_wherever_fastest():
+    """worth_their_memory: the bfloat16 head (a second copy) is kept only if somewhere it is at least its gain
+    faster than the int8 table; once kept, every row count takes the fastest (not int8 where bf16 is 1.27x)."""
+    from kernels.cpu.choices import worth_their_memory
+    from kernels.cpu.dispatch import Choice
+
+    def choice(bf16_ms):
+        times = {"int8pack": {"1": 2.05, "8": 9.0, "64": 46.3}, "bf16": dict(zip(("1", "8", "64"), bf16_ms))}
+        by_rows = tuple((int(r), min(times, key=lambda n: times[n][r])) for r in ("1", "8", "64"))
+        return Choice("lm_head", "k", by_rows[:-1] + ((EVERY, by_rows[-1][1]),), times)
+
+    assert worth_their_memory(choice((1.61, 2.0, 9.87)), {"bf16": 1.5}) == ((EVERY, "bf16"),)
+    # nowhere 1.5x faster: the copy is not kept, int8 everywhere
+    assert worth_their_memory(choice((1.61, 7.0, 40.0)), {"bf16": 1.5}) == ((EVERY, "int8pack"),)
+    # kept for 64 rows; 8 rows stay int8 where int8 is faster
+    assert worth_their_memory(choice((1.61, 9.5, 9.87)), {"bf16": 1.5}) == ((1, "bf16"), (8, "int8pack"), (EVERY, "bf16"))
+    # two copies: one at most, the one fastest over the row counts (the 8-bit tiles here; the bfloat16 table is
+    # 7% faster at 64 rows only), even where both pay their gain over the int8 kernel
+    times = {"int8pack": {"1": 2.03, "8": 6.17, "64": 46.3}, "int8_vnni": {"1": 1.23, "8": 1.45, "64": 10.6},
+             "bf16": {"1": 1.61, "8": 2.0, "64": 9.87}}
+    two = Choice("lm_head", "k", ((1, "int8_vnni"), (8, "int8_vnni"), (EVERY, "bf16")), times)
+    assert worth_their_memory(two, {"int8_vnni": 1.5, "bf16": 1.5}) == ((EVERY, "int8_vnni"),)
+    assert worth_their_memory(two, {"bf16": 1.5, "int8_vnni": 1.5}) == ((EVERY, "int8_vnni"),)
+    amx = Choice("lm_head", "k", ((EVERY, "bf16"),), {**times, "bf16": {"1": 0.9, "8": 1.0, "64": 2.0}})
+    assert worth_their_memory(amx, {"int8_vnni": 1.5, "bf16": 1.5}) == ((EVERY, "bf16"),)

@@ -98,3 +98,58 @@ def test_quantized_weights_take_the_kernel_where_it_applies(monkeypatch):
     scale = dense.abs().max().item()
     torch.testing.assert_close(out, dense, atol=2e-3 * scale, rtol=0)  # float16 d and m, 16-bit activations
     torch.testing.assert_close(quantized_linear(x, torch_packed), dense, atol=0.02 * scale, rtol=0)
+
+
+needs_int8 = pytest.mark.skipif(not il.supports_int8(16, 32), reason="no C compiler, or no AVX512-VNNI here")
+
+
+def _table(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int32).to(torch.int8)
+    return q, torch.rand(n, generator=g) * 0.05 + 1e-3
+
+
+def test_int8_pack_roundtrips_to_the_table():
+    q, s = _table(48, 96)
+    packed, scales = il.pack_int8(q, s)
+    assert packed.shape == (3, 24, 16, 4) and packed.dtype == torch.uint8 and scales.shape == (3, 1, 2, 16)
+    torch.testing.assert_close(il.dequantize_int8(packed, scales), q.float() * s.half().float()[:, None],
+                               rtol=0, atol=1e-6)
+
+
+@needs_int8
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 64])
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 256), (4096, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_matches_reference(m, n, k, dtype):
+    q, s = _table(n, k, seed=m)
+    packed, scales = il.pack_int8(q, s)
+    wide = torch.randn(m, k + 24, dtype=dtype) * 3
+    x = wide[:, 5:5 + k]  # rows with a stride other than K
+    x[0, 7] = 40.0  # an outlier in one block
+    out = il.int8_linear_cpu(x, packed, scales)
+    ref = il.int8_linear_torch(x, packed, scales)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    # float32 sums of terms that cancel: d (q + 128) against the offset -128 d, each up to 255 d |x| (and the
+    # block sums reach 2^29: rounded to float32 before scaling)
+    d = scales[:, 0, 0].float().reshape(-1)  # [N]
+    bound = il.quantize_activations(x)[0].abs().double() @ (255 * d).double()[None, :].expand(k, n)
+    bound = bound * il.quantize_activations(x)[1].amax().double()
+    err = (out.double() - ref.double()).abs()
+    assert (err <= 2e-6 * (bound + ref.double().abs())).all(), err.max()
+    # and against the exact product of the table: the activations' two digits carry ~16 bits
+    exact = x.double() @ (q.double() * s.half().double()[:, None]).t()
+    assert (out.double() - exact).abs().max() <= 1e-3 * exact.abs().max()
+
+
+@needs_int8
+def test_int8_zero_rows_and_bad_operands():
+    q, s = _table(32, 64)
+    packed, scales = il.pack_int8(q, s)
+    assert il.int8_linear_cpu(torch.empty(0, 64), packed, scales).shape == (0, 32)
+    with pytest.raises(ValueError, match="x must be"):
+        il.int8_linear_cpu(torch.randn(2, 60), packed, scales)
+    with pytest.raises(ValueError, match="packed"):
+        il.int8_linear_cpu(torch.randn(2, 64), packed[:, :4], scales)
+    with pytest.raises(ValueError, match="pack_int8"):
+        il.pack_int8(q[:20], s[:20])  # not a whole tile of 16 columns

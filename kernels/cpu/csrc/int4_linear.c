@@ -73,7 +73,8 @@ static inline __attribute__((always_inline)) void ps_q4_tile(const int8_t *restr
                                                              const float *restrict ad,
                                                              const float *restrict asum, const int64_t K,
                                                              const uint8_t *restrict wt, const uint16_t *restrict st,
-                                                             const int64_t G, float *restrict acc, const int MB) {
+                                                             const int64_t G, float *restrict acc, const int MB,
+                                                             const int W8) {
     const int64_t nb = K / PS_Q4_AB;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 f[PS_Q4_MB];
@@ -84,11 +85,18 @@ static inline __attribute__((always_inline)) void ps_q4_tile(const int8_t *restr
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16)));
         __m512i w[8];
         _mm_prefetch((const char *)(sg + PS_Q4_PF_SCALES), _MM_HINT_T0);
-        for (int o = 0; o < 4; ++o) {
-            _mm_prefetch((const char *)(wt + (b * 4 + o) * 64 + PS_Q4_PF), _MM_HINT_T0);
-            const __m512i raw = _mm512_loadu_si512(wt + (b * 4 + o) * 64);
-            w[2 * o] = _mm512_and_si512(raw, low);
-            w[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        if (W8) { /* bytes: vector j holds inputs 4j..4j+3 of the block, as the nibbles unpack below */
+            for (int j = 0; j < 8; ++j) {
+                _mm_prefetch((const char *)(wt + (b * 8 + j) * 64 + 2 * PS_Q4_PF), _MM_HINT_T0);
+                w[j] = _mm512_loadu_si512(wt + (b * 8 + j) * 64);
+            }
+        } else {
+            for (int o = 0; o < 4; ++o) {
+                _mm_prefetch((const char *)(wt + (b * 4 + o) * 64 + PS_Q4_PF), _MM_HINT_T0);
+                const __m512i raw = _mm512_loadu_si512(wt + (b * 4 + o) * 64);
+                w[2 * o] = _mm512_and_si512(raw, low);
+                w[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
         }
         for (int r = 0; r < MB; ++r) {
             const int32_t *ah = (const int32_t *)(hi + r * K + b * PS_Q4_AB);
@@ -101,7 +109,7 @@ static inline __attribute__((always_inline)) void ps_q4_tile(const int8_t *restr
                 l0 = _mm512_dpbusd_epi32(l0, w[j], _mm512_set1_epi32(al[j]));
                 l1 = _mm512_dpbusd_epi32(l1, w[j + 1], _mm512_set1_epi32(al[j + 1]));
             }
-            /* 254 sum(q hi) + sum(q lo): |s| < 2^24, exact in float32 */
+            /* 254 sum(q hi) + sum(q lo): |s| < 2^24 for nibbles, exact in float32 (bytes: < 2^29, rounded to 24 bits) */
             const __m512i s = _mm512_add_epi32(ps_q4_times254(_mm512_add_epi32(h0, h1)), _mm512_add_epi32(l0, l1));
             f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(ad[r * nb + b] * (1.0f / 254))), f[r]);
             f[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(asum[r * nb + b]), f[r]);
@@ -113,8 +121,8 @@ static inline __attribute__((always_inline)) void ps_q4_tile(const int8_t *restr
 /* x [M, K] (float32, or bfloat16 when bf16) with row stride ldx; out [M, N] in x's dtype, row stride
  * ldo. Needs N % 16 == 0, G % 32 == 0, K % G == 0 (the launcher checks). Returns 1 when the
  * workspace cannot be allocated. */
-int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
-                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
+static int64_t ps_q_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                           int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, const int W8) {
     const int64_t nb = K / PS_Q4_AB, ntiles = N / 16;
     int8_t *aq = malloc((size_t)(2 * M * K) + (size_t)(2 * M * nb) * sizeof(float));
     if (!aq) return 1;
@@ -129,7 +137,7 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
                                asum + r * nb);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; ++t) {
-            const uint8_t *wt = w + t * 8 * K;
+            const uint8_t *wt = w + t * (W8 ? 16 : 8) * K;
             const uint16_t *st = scales + t * (K / G) * 32;
             float acc[PS_Q4_MB * 16];
             for (int64_t m0 = 0; m0 < M; m0 += PS_Q4_MB) {
@@ -137,14 +145,14 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
                 const int8_t *a = hi + m0 * K, *l = lo + m0 * K;
                 const float *sd = ad + m0 * nb, *ss = asum + m0 * nb;
                 switch (mb) { /* constant MB: accumulators in registers */
-                case 1: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 1); break;
-                case 2: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 2); break;
-                case 3: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 3); break;
-                case 4: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 4); break;
-                case 5: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 5); break;
-                case 6: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 6); break;
-                case 7: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 7); break;
-                default: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 8); break;
+                case 1: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 1, W8); break;
+                case 2: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 2, W8); break;
+                case 3: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 3, W8); break;
+                case 4: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 4, W8); break;
+                case 5: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 5, W8); break;
+                case 6: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 6, W8); break;
+                case 7: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 7, W8); break;
+                default: ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, 8, W8); break;
                 }
                 for (int r = 0; r < mb; ++r) {
                     const __m512 v = _mm512_loadu_ps(acc + r * 16);
@@ -160,7 +168,22 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
     return 0;
 }
 
+int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
+    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 0);
+}
+
+/* The same with 8-bit weights q in [0, 255] (w = q * d + m: an int8 table as q + 128, m = -128 d), laid out
+ * [N/16][K/4][16 columns][4 bytes] (byte i of column c at k-quad o: q[c, 4o + i]). Why: the int8 LM head of
+ * the shipped SmolLM2 (49,152 x 576) took 2.4 ms a decode step through torch's _weight_int8pack_mm or the
+ * bfloat16 table on a 2-core AMD EPYC Zen 4, where its 28 MB read at 34 GB/s takes 0.8. */
+int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
+    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 1);
+}
+
 int64_t ps_int4_linear_available(void) { return 1; }
+int64_t ps_int8_linear_available(void) { return 1; }
 #elif defined(PS_AVX2) && defined(__F16C__)
 /* AVX2 without VNNI (AMD Zen 3): the same layout, activation digits and sums, with vpdpbusd's 4-byte dot
  * products as vpmaddubsw (u8 x s8 -> s16 pairs: |15 * 127 * 2| < 2^15, never saturating) then vpmaddwd
@@ -290,4 +313,15 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
     return 2;
 }
 int64_t ps_int4_linear_available(void) { return 0; } /* no AVX512-VNNI: the launcher keeps torch's int4 kernel */
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__))
+/* 8-bit weights only on AVX512-VNNI (the LM head keeps torch's int8 kernel or the bfloat16 table here) */
+int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
+    (void)x; (void)w; (void)scales; (void)out; (void)M; (void)N; (void)K; (void)G; (void)ldx; (void)ldo;
+    (void)bf16; (void)nthreads;
+    return 2;
+}
+int64_t ps_int8_linear_available(void) { return 0; }
 #endif
