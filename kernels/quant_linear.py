@@ -200,8 +200,8 @@ def with_onednn_int8(qw: QuantizedWeight, probe: bool = False) -> QuantizedWeigh
 
 
 # The bfloat16 table is a second copy of the head at twice the int8 bytes (335 MiB for Gemma 3's 262k x 640), the
-# 8-bit tiles one at the same bytes: each kept only where it computes the logits at least this many times faster
-# than the int8 table.
+# 8-bit tiles one at the same bytes: at most one is kept, and only one that computes the logits at least this many
+# times faster than the int8 table at some row count (choices.worth_their_memory).
 HEAD_COPY_GAIN = 1.5
 
 
