@@ -160,9 +160,7 @@ def int8_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor)
 def int8_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The reference of :func:`int8_linear_cpu`: the same int8 rows, the sums in float64."""
     _check8(x, packed, scales)
-    aq, ad = quantize_activations(x)
-    blocks = aq.shape[1] // ACT_BLOCK
-    xa = (aq.double().reshape(-1, blocks, ACT_BLOCK) * ad.double()[..., None]).reshape(aq.shape)  # [M, K]
+    xa = _activations_as_seen(x)  # [M, K]
     return (xa @ dequantize_int8(packed, scales).double().t()).float()
 
 
@@ -177,11 +175,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (hi + lo / 254).reshape(x.shape), amax / 127.0
 
 
+def _activations_as_seen(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernels see it (its two int8 digits times each block's scale), in float64."""
+    aq, ad = quantize_activations(x)
+    blocks = aq.shape[1] // ACT_BLOCK
+    return (aq.double().reshape(-1, blocks, ACT_BLOCK) * ad.double()[..., None]).reshape(aq.shape)
+
+
 def int4_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """The reference of :func:`int4_linear_cpu`: the same int8 rows, the sums in float64."""
     _check(x, packed, scales, group_size)
-    aq, ad = quantize_activations(x)
     w = dequantize_int4(packed, scales).double()  # [N, K]
-    blocks = aq.shape[1] // ACT_BLOCK
-    xa = (aq.double().reshape(-1, blocks, ACT_BLOCK) * ad.double()[..., None]).reshape(aq.shape)  # [M, K]
+    xa = _activations_as_seen(x)  # [M, K]
     return (xa @ w.t()).to(x.dtype)
