@@ -311,10 +311,9 @@ def _conversation(base: str, index: int, replay: bool = False) -> dict:
     tool-call turns gave a well-formed call (a name the tools have, JSON object arguments).
 
     Live (``replay=False``), each reply's tool calls are run and fed back, so what the history holds next
-    depends on what this engine answered; an engine whose greedy tokens shift with the batch (ours and vLLM's,
-    at concurrency above 1) then runs a different conversation each time. Replayed, the history takes the
-    scripted call of `_scripted_call` and its result instead of the reply: every engine is sent the same
-    prompts, turn by turn, and only what each generates differs."""
+    depends on what this engine answered, and two engines (or two models) run different conversations.
+    Replayed, the history takes the scripted call of `_scripted_call` and its result instead of the reply:
+    every engine is sent the same messages, turn by turn, and only what each generates differs."""
     import json as _json
 
     import openai
