@@ -95,13 +95,15 @@ COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "generation
 
 
 def scrape_counters(base: str, names: tuple[str, ...] = COUNTERS) -> dict[str, float]:
+    """The named counters of a server's /metrics, whatever their namespace (prefixserve:, vllm:), each summed
+    over its label sets."""
     import httpx
 
-    values = {}
+    values: dict[str, float] = {}
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        for name in names:
-            if line.startswith(f"prefixserve:{name}"):
-                values[name] = float(line.split()[-1])
+        name = line.split("{", 1)[0].split(" ", 1)[0].split(":")[-1]
+        if name in names and not line.startswith("#"):
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return values
 
 

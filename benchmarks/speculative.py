@@ -269,18 +269,27 @@ AGENT_TOOLS = [
                                                 "required": ["module"]}}},
 ]
 AGENT_TURNS = 8
+# The servers' spec-decode and step counters kept beside each agent run (vLLM's names)
+AGENT_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                  "spec_decode_num_accepted_tokens_total", "iteration_tokens_total_sum",
+                  "iteration_tokens_total_count", "prompt_tokens_total", "generation_tokens_total",
+                  "grammar_fast_forward_tokens_total")
 
 
-def _tool_result(call) -> str:
+def _arguments(call) -> dict | None:
+    """A tool call's arguments, or None where they are not a JSON object (vLLM's required tool calls once gave
+    a JSON list)."""
     import json as _json
 
     try:
-        args = _json.loads(call.function.arguments or "{}")
+        args = _json.loads(call.function.arguments or "")
     except ValueError:
-        args = {}
-    if not isinstance(args, dict):  # vLLM's required tool calls once gave a JSON list as the arguments
-        args = {}
-    return _run_tool(call.function.name, args)
+        return None
+    return args if isinstance(args, dict) else None
+
+
+def _tool_result(call) -> str:
+    return _run_tool(call.function.name, _arguments(call) or {})
 
 
 def _run_tool(name: str, args: dict) -> str:
@@ -354,13 +363,7 @@ def _conversation(base: str, index: int, replay: bool = False) -> dict:
 
 
 def _well_formed(call) -> bool:
-    import json as _json
-
-    try:
-        args = _json.loads(call.function.arguments or "")
-    except ValueError:
-        return False
-    return call.function.name in {t["function"]["name"] for t in AGENT_TOOLS} and isinstance(args, dict)
+    return call.function.name in {t["function"]["name"] for t in AGENT_TOOLS} and _arguments(call) is not None
 
 
 def run_agent(spec, concurrency: int, engine: str = "prefixserve", folder: str | None = None,
@@ -373,6 +376,7 @@ def run_agent(spec, concurrency: int, engine: str = "prefixserve", folder: str |
     import os
     import tempfile
 
+    from benchmarks.serve import scrape_counters
     from benchmarks.serve_vs_vllm import free_port, server_command, serving
 
     port = free_port()
@@ -397,29 +401,12 @@ def run_agent(spec, concurrency: int, engine: str = "prefixserve", folder: str |
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             conversations = list(pool.map(lambda i: _conversation(base, i, replay), range(concurrency)))
         seconds = time.perf_counter() - t0
-        counters = _server_counters(base)
+        counters = scrape_counters(base, AGENT_COUNTERS)  # the warm-up conversation included
     tokens = sum(c["output_tokens"] for c in conversations)
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "server": counters,
             "conversation_s": [c["seconds"] for c in conversations],
             "well_formed_calls": sum(c["well_formed_calls"] for c in conversations),
             "tool_call_turns": concurrency * (AGENT_TURNS - 1)}
-
-
-def _server_counters(base: str) -> dict:
-    """The spec-decode and step counters of a server's /metrics (vLLM's names; ours under prefixserve:), the
-    warm-up conversation included."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
-    wanted = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-              "spec_decode_num_accepted_tokens_total", "iteration_tokens_total_sum", "iteration_tokens_total_count",
-              "prompt_tokens_total", "generation_tokens_total", "grammar_fast_forward_tokens_total")
-    counters: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0].split(":")[-1]
-        if name in wanted and not line.startswith("#"):
-            counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counters
 
 
 def run_agent_loop(folder: str, with_vllm: bool, replay: bool = False) -> None:

@@ -89,8 +89,7 @@ def _timed(runner, batch, repeats: int) -> tuple[float, dict[str, float]]:
     share of the quickest of ``repeats`` more, tallied: a tiny model's step is well under a millisecond, so
     one tallied run that the OS preempts (a busy CI machine) would share its time among no op at all. The
     shares add up to 1: the LM head is one entry, and the time outside every op (the Python forward that
-    calls them: what dominates a small model's decode step) another, so the warning never names an op
-    that takes a quarter of a step whose most is elsewhere."""
+    calls them) another, so the warning names what dominates even where that is no op."""
     input_ids, positions, attn = batch
     model = runner.model
 
@@ -99,13 +98,12 @@ def _timed(runner, batch, repeats: int) -> tuple[float, dict[str, float]]:
         if seconds is None:
             model.compute_logits(hidden[-1:])
             return
-        inside = dict(seconds)  # ops the head calls count as the head
+        before = dict(seconds)  # ops the head calls count as the head
         t0 = time.perf_counter()
         model.compute_logits(hidden[-1:])
-        for name in [n for n in seconds if n not in inside]:
-            del seconds[name]
-        seconds.update(inside)
-        seconds[LM_HEAD] += time.perf_counter() - t0
+        head = time.perf_counter() - t0
+        seconds.clear()
+        seconds.update(before, **{LM_HEAD: head})
 
     with torch.inference_mode():
         run()

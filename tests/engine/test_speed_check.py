@@ -50,8 +50,7 @@ def test_a_slow_op_is_named_in_a_warning(tiny_model_factory, caplog):
 
 @pytest.mark.parametrize("where", ["lm_head", "between ops (the Python forward)"])
 def test_time_outside_the_ops_is_named_too(tiny_model_factory, caplog, where):
-    """A small model's decode step is mostly Python between the ops: the warning must say so rather than
-    name the largest op (the int4 SmolLM2 on a Zen 4: "linear taking 28% of the step")."""
+    """Time in the LM head or in the Python between the ops is named as such, not laid on the largest op."""
     llm = _llm(tiny_model_factory("llama"))
     runner = llm.engine.runner
     model = runner.model
