@@ -58,7 +58,7 @@ def test_time_outside_the_ops_is_named_too(tiny_model_factory, caplog, where):
     fast = getattr(model, slow)
 
     def slowed(*args, **kwargs):
-        time.sleep(0.05)
+        time.sleep(0.2)  # a loaded CI machine once added ~90 ms to a tiny model's step, inside the ops
         return fast(*args, **kwargs)
 
     setattr(model, slow, slowed)
@@ -66,7 +66,8 @@ def test_time_outside_the_ops_is_named_too(tiny_model_factory, caplog, where):
     with caplog.at_level(logging.WARNING, logger="prefixserve"):
         report = check_speed(runner, llm.engine.dtype, llm.engine.weight_bytes, llm.engine.dispatch.cache_dir)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert report.decode_ops[name] > 0.5 and abs(sum(report.decode_ops.values()) - 1) < 0.01
+    shares = report.decode_ops
+    assert max(shares, key=shares.get) == name and abs(sum(shares.values()) - 1) < 0.01
     assert warnings and f"{name} taking" in warnings[0]
 
 
