@@ -158,6 +158,12 @@ def has_lanes(dtype: torch.dtype) -> bool:
     return dtype in DTYPE_SUFFIX and native is not None and native.lanes_for(dtype) is not None
 
 
+def has_amx_linear(dtype: torch.dtype) -> bool:
+    """The lanes layout also runs on AMX tiles here (csrc/amx_linear.c: bfloat16, AMX granted by the OS)."""
+    native = native_kernels()
+    return dtype == torch.bfloat16 and native is not None and native.amx_bf16 is not None
+
+
 def c_kernel_rows(dtype: torch.dtype) -> int:
     """How many rows (1..n) of a ``dtype`` linear the C kernel takes over oneDNN's packed weight on this
     CPU: 0 for none, EVERY_ROW for every row count.
@@ -171,7 +177,9 @@ def c_kernel_rows(dtype: torch.dtype) -> int:
       multiply far faster than vdpbf16ps once a step is more than the weight read: lanes / oneDNN 1 row
       10.1 / 11.0 ms, 4 rows 15.5 / 10.8, 8 rows 20.4 / 11.0, 64 rows 93 / 17.5 (taking 1-64 rows there
       had made GSP's bfloat16 decode linears 2.8 s instead of 0.7): 1 row. float32 ties to 64 rows (1 row
-      20.2 / 21.7, 64 rows 67.7 / 71.7) and loses at 1,088 (892 / 801): 1-64 rows.
+      20.2 / 21.7, 64 rows 67.7 / 71.7) and loses at 1,088 (892 / 801): 1-64 rows. The same layout on AMX
+      tiles (csrc/amx_linear.c; results/intel-f6m207-amx/packed_linear_amx.json) beats oneDNN at 1-16 rows
+      by 1.5-2x and ties it from 64 rows to a prefill chunk: every bfloat16 row count, one copy of the weight.
     - AVX2 only, float32, the row kernel (2-core AMD EPYC): 1 row 20-23 ms vs oneDNN's 21-26, 4 rows
       18-19 vs 25-27, 8 rows 22-26 vs 30-33, 16 rows a tie (39-41 vs 40-46): rows 1-8.
     - AVX2 only, bfloat16, the row kernel's AVX2 path (widened to float32 in registers; 2-core AMD EPYC Zen 3)
@@ -181,7 +189,9 @@ def c_kernel_rows(dtype: torch.dtype) -> int:
     if has_lanes(dtype):
         if not cpu_has_amx():
             return EVERY_ROW
-        return 1 if dtype == torch.bfloat16 else 64
+        if dtype == torch.bfloat16:  # the lanes layout on AMX tiles (csrc/amx_linear.c) where built, else vdpbf16ps
+            return EVERY_ROW if has_amx_linear(dtype) else 1
+        return 64
     native = native_kernels()
     if native is not None and not cpu_has_avx512() and native.linear_for(dtype) is not None:
         return 8
@@ -202,6 +212,23 @@ def lanes_linear_silu_mul(x: torch.Tensor, weight: CpuLinearWeight, bias: torch.
         raise ValueError(f"lanes linear_silu_mul: x must be {weight.small.dtype}, got {x.dtype}")
     return _call_checked(native_kernels().lanes_gated_for(x.dtype), "lanes linear_silu_mul", x, weight.small,
                          weight.shape, bias, out_cols=weight.shape[0] // 2)
+
+
+def amx_linear(x: torch.Tensor, weight: CpuLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`lanes_linear` on AMX tiles (csrc/amx_linear.c), operands checked: the same layout, the same
+    values up to float32 rounding."""
+    if x.dtype != torch.bfloat16 or weight.small.dtype != torch.bfloat16:
+        raise ValueError(f"amx linear: x and the weight must be bfloat16, got {x.dtype}, {weight.small.dtype}")
+    return _call_checked(native_kernels().amx_bf16, "amx linear", x, weight.small, weight.shape, bias)
+
+
+def amx_linear_silu_mul(x: torch.Tensor, weight: CpuLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`lanes_linear_silu_mul` on AMX tiles (csrc/amx_linear.c), operands checked."""
+    if x.dtype != torch.bfloat16 or weight.small.dtype != torch.bfloat16:
+        raise ValueError(f"amx linear_silu_mul: x and the weight must be bfloat16, got {x.dtype}, "
+                         f"{weight.small.dtype}")
+    return _call_checked(native_kernels().amx_gated_bf16, "amx linear_silu_mul", x, weight.small, weight.shape, bias,
+                         out_cols=weight.shape[0] // 2)
 
 
 def _call_checked(kernel, name: str, x: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int],

@@ -41,9 +41,9 @@ DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"{op}.c" for op in ("paged_attention_decode", "paged_attention_prefill", "store_kv", "linear",
                                              "add_rms_norm", "silu_mul", "rope", "int4_linear", "top_p", "lanes_linear",
-                                             "kv_fp8"))
+                                             "kv_fp8", "amx_linear"))
 HEADERS = (CSRC / "ps_cpu.h", CSRC / "elementwise.h", CSRC / "flash_item.h", CSRC / "flash_amx.h",
-           CSRC / "decode_tile.h")
+           CSRC / "decode_tile.h", CSRC / "amx_tiles.h")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "PREFIXSERVE_NATIVE_KERNELS"
 
@@ -116,6 +116,10 @@ class NativeKernels:
     # 8-bit weights through the int4 kernel's tiles (csrc/int4_linear.c ps_int8_linear): the int8 LM head's
     # logits; None without AVX512-VNNI
     int8_linear: ctypes._CFuncPtr | None = None
+    # bfloat16 linear on AMX tiles over the lanes layout (csrc/amx_linear.c), plain and gated; None without AMX
+    # (or where the OS withholds its tiles)
+    amx_bf16: ctypes._CFuncPtr | None = None
+    amx_gated_bf16: ctypes._CFuncPtr | None = None
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
     # stack alike. Callers check the dtype with has_dtype first.
@@ -295,6 +299,12 @@ def _load(path: Path) -> NativeKernels:
         fused.argtypes, fused.restype = LINEAR_ARGTYPES, None
         lanes.append(fn if available() else None)
         gated.append(fused if available() else None)
+    lib.ps_amx_linear_available.restype = ctypes.c_int64
+    amx = []
+    for name in ("ps_amx_linear_bf16", "ps_amx_linear_bf16_gated"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = LINEAR_ARGTYPES, None
+        amx.append(fn if lib.ps_amx_linear_available() else None)
     store_fp8, decode_fp8 = {}, {}
     for dtype in ("f32", "bf16"):
         fn = getattr(lib, f"ps_store_kv_fp8_{dtype}")
@@ -307,7 +317,7 @@ def _load(path: Path) -> NativeKernels:
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
                          lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes, lib.ps_race,
                          bool(lib.ps_prefill_on_amx()), *gated, store_kv_fp8=store_fp8, decode_fp8=decode_fp8,
-                         int8_linear=int8_linear)
+                         int8_linear=int8_linear, amx_bf16=amx[0], amx_gated_bf16=amx[1])
 
 
 @functools.cache

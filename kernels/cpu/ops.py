@@ -17,7 +17,7 @@ direct kernel calls, most of the rest being the weight read.
 
 Linear policy (one place; linear.c_kernel_rows): with AVX-512 the weights are packed at bind into
 the lanes layout of csrc/lanes_linear.c, which takes every row count (CPUs with AMX: 1-64 float32
-rows, 1 bfloat16 row, oneDNN's packed copy above); with AVX2 only, oneDNN's packed copy, and the row kernel
+rows, oneDNN's packed copy above; bfloat16 runs the same layout on AMX tiles, csrc/amx_linear.c); with AVX2 only, oneDNN's packed copy, and the row kernel
 (csrc/linear.c) on the plain weight for 1-8 float32 rows (linear.CpuLinearWeight). Unpacked weights
 take the row kernel for 1-16 rows in float32 (1-8 in bfloat16 where the CPU has AVX512-BF16), oneDNN
 for the other float32 row counts (MKL's sgemm takes an AVX2 path on AMD CPUs;
@@ -174,7 +174,11 @@ class _BoundCpuOps:
     def __init__(self, native: NativeKernels, dtype: torch.dtype, dispatch: Dispatcher) -> None:
         self.native, self.dtype, self.dispatch = native, dtype, dispatch
         self.c_linear = native.linear_for(dtype)
-        self.lanes_linear = native.lanes_for(dtype)
+        # The lanes layout's kernel: AMX tiles where the CPU has them for bfloat16 (csrc/amx_linear.c), else
+        # lanes_linear.c's FMAs / vdpbf16ps. Both read the same layout; which is faster than oneDNN, and for
+        # which rows, the bound ops measure (choices.linear_small_rows).
+        self.amx = dtype == torch.bfloat16 and native.amx_bf16 is not None
+        self.lanes_linear = native.amx_bf16 if self.amx else native.lanes_for(dtype)
         self.linear_rows = rows_covered(native, dtype)
         use_onednn = dtype == torch.float32 and onednn_linear.onednn_linear_available()
         self.other_linear = _onednn if use_onednn else F.linear
@@ -182,7 +186,7 @@ class _BoundCpuOps:
         self.silu_mul_fn = native.elementwise_for("silu_mul", dtype)
         self.rope_fn = native.elementwise_for("rope", dtype)
         self.decode_fn = native.decode_for(dtype)
-        self.gated_linear = native.lanes_gated_for(dtype)
+        self.gated_linear = native.amx_gated_bf16 if self.amx else native.lanes_gated_for(dtype)
         self.scratch = Scratch()  # the attention kernels' gathers, reused every layer and step
 
     def ops(self) -> KernelOps:
@@ -203,7 +207,7 @@ class _BoundCpuOps:
         if small is None:  # no C kernel for this dtype here: the GEMM form alone
             return pack_weight(weight, gated=gated, rows=0, large=large[0])
         measured = linear_small_rows(self.dispatch, weight, gated=fused, small=small, large=large,
-                                     limit=EVERY if small[0] == "lanes" else max(self.linear_rows), rows=rows)
+                                     limit=max(self.linear_rows) if small[0] == "rows" else EVERY, rows=rows)
         return pack_weight(weight, gated=gated, rows=EVERY_ROW if measured >= EVERY else measured, large=large[0])
 
     def pack_lm_head(self, weight):
@@ -218,9 +222,10 @@ class _BoundCpuOps:
         linear takes this dtype."""
         n, k = shape
         if has_lanes(self.dtype):
+            name = "lanes_amx" if self.amx else "lanes"
             if gated:
-                return "lanes", pack_lanes_gated, lambda x, w: self._gated_call(x, w, (n // 2, k))
-            return "lanes", pack_lanes, lambda x, w: self._c_linear_call(self.lanes_linear, x, w, shape, None)
+                return name, pack_lanes_gated, lambda x, w: self._gated_call(x, w, (n // 2, k))
+            return name, pack_lanes, lambda x, w: self._c_linear_call(self.lanes_linear, x, w, shape, None)
         if self.linear_rows:  # float32; bfloat16 with AVX512-BF16 or AVX2 (widened in registers)
             return "rows", lambda w: w.detach().contiguous(), lambda x, w: self._c_linear_call(self.c_linear, x, w,
                                                                                                  shape, None)

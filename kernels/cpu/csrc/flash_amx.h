@@ -22,32 +22,7 @@
  * keys weigh 2^-125 of a zero V row. The probabilities round to bfloat16 before P.V, as in ps_prefill_item_dp. */
 #ifndef PS_FLASH_AMX_H
 #define PS_FLASH_AMX_H
-#include <sys/syscall.h>
-#include <unistd.h>
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} ps_tilecfg;
-
-/* Linux gives a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
- * XTILEDATA); asking again is a no-op. 1 when granted. */
-static inline int ps_amx_permitted(void) {
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-}
-
-/* Eight tiles of 16 rows x 64 bytes, on this thread. */
-static inline void ps_amx_configure(void) {
-    ps_tilecfg cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+#include "amx_tiles.h"
 
 /* 2^t in float32 to about 1e-4 relative (a degree-3 minimax polynomial on [-1/2, 1/2]): the item's
  * probabilities round to bfloat16 (2^-9) before P.V, so ps_exp16's degree 6 bought nothing there, and the

@@ -1,0 +1,214 @@
+#include <stdlib.h>
+
+#include "elementwise.h"
+
+/* ---------------------------------------------------------------------------------------------
+ * bfloat16 linear on AMX tiles, reading the lanes layout of lanes_linear.c: out[M, N] = x[M, K] @ w[N, K]^T
+ * (+ bias), and the gated form (gate_up + SiLU-and-multiply), for any M.
+ *
+ * Why: decoding 2-64 sequences reads every weight once per step, so a step costs the weight read if the
+ * multiply keeps up with memory. On AMX CPUs vdpbf16ps (lanes_linear.c) does not: it issues every second
+ * cycle on the 2-core Xeons measured here, so 8 rows took 2x the weight read and 64 rows 5x. oneDNN's AMX
+ * GEMM does keep up in arithmetic but does not overlap it with the weight stream: at 64 rows it took 7.8 ms
+ * a Llama-3.2-1B layer against 4.7 ms for reading the weights (2-core Xeon, family 6 model 167). One tile
+ * multiply here is 16 rows x 16 columns x 32 products; per 32 k a block of 32 columns is 2 KiB of weights
+ * and 2-4 multiplies, so the tiles outrun the memory at every row count and the kernel streams the weights.
+ *
+ * The lanes layout needs no copy of its own: a bfloat16 block of 32 columns stores, for each pair of k,
+ * 32 columns x 2 values (128 bytes), which for 16 pairs and the block's first (second) 16 columns is
+ * exactly an AMX B tile of 16 rows x 64 bytes at a stride of 128 bytes:
+ *
+ *     B0 = tile(wb + j0 * 64,      stride 128 B)   columns n0 .. n0+15, k pairs j0 .. j0+15
+ *     B1 = tile(wb + j0 * 64 + 32, stride 128 B)   columns n0+16 .. n0+31
+ *     A  = 16 rows x 32 k of x, copied once per call into tile order (ps_amx_pack_x: stride 64 B)
+ *     C[r][h] += A_r B_h                             tiles 0-3: 2 row blocks x 2 column halves
+ *
+ * Rows go in passes of 32 (two A tiles; C tiles sized to the pass's rows, the tile configuration loaded
+ * again only when a pass has fewer rows than the last); a block's later passes read its weights from L2
+ * (K x 64 bytes: 512 KiB at K = 8,192). Blocks of 32 columns go to the threads in contiguous ranges, and
+ * each thread prefetches its weights PS_AMX_PF bytes ahead of the tile loads. More rows than PS_AMX_CHUNK
+ * bytes of A tiles hold (256 at K = 2,048) go in chunks, each a sweep over the blocks, so the A tiles stay
+ * in L2 (without: a 2,048-row prefill re-read 8 MiB of them from L3 for every block, 2x slower). A K that is
+ * not a multiple of 32 (no whole A tiles) goes to lanes_linear.c on the same layout.
+ *
+ * Measured (2-core Intel Xeon, family 6 model 207, AMX; weights streamed from memory, bfloat16, time per
+ * step against oneDNN's packed AMX GEMM): SmolLM2's 30 layers 11.2 / 11.3 / 9.7 / 27.7 / 227 ms at 1 / 8 /
+ * 16 / 64 / 1,088 rows against 22.9 / 21.1 / 18.2 / 29.6 / 349 (results/intel-f6m207-amx/packed_linear_amx.json);
+ * 8 of Llama-3.2-1B's layers 40.5 / 45.2 / 112 / 168 ms at 1 / 16 / 64 / 128 rows against 72.6 / 74.5 / 96.7 /
+ * 172, 2 layers at 512 / 2,048 rows 174 / 701 against 199 / 687. One row streams at the memory's rate
+ * (23.7 GB/s); from 32 rows on the tile multiplies bound it, as they do oneDNN's (~700 GFLOP/s here on
+ * weights that stream; the choice per shape and row count is measured at bind, kernels/cpu/choices.py).
+ *
+ * The sums run in float32 with the tiles' own rounding (bfloat16 products exact, float32 adds; AMX treats
+ * bfloat16 denormals as 0), rounded once to bfloat16 at the end, so results differ from vdpbf16ps's by
+ * float32 rounding only. The gated form's block holds 16 gate and the same 16 up columns
+ * (linear.pack_lanes_gated): C[r][0] is the gate, C[r][1] the up, and the epilogue is lanes_linear.c's. */
+#if defined(PS_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles.h"
+
+#define PS_AMX_PASS 32      /* rows per pass: two A tiles */
+#define PS_AMX_PF 4096      /* bytes of weights prefetched ahead (two steps of 32 k) */
+
+#define PS_AMX_CHUNK (1 << 20) /* bytes of A tiles a chunk of rows holds */
+
+static inline int64_t ps_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t ps_max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Tile rows for a pass of `rows` rows (1..32): C 0-1 and A 4 the first block's, C 2-3 and A 5 the
+ * second's (16 when unused: any valid shape), B 6-7 16 pairs. */
+static inline void ps_amx_configure_pass(int64_t rows) {
+    const uint8_t r0 = (uint8_t)ps_min64(rows, 16), r1 = rows > 16 ? (uint8_t)(rows - 16) : 16;
+    const uint8_t cfg[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+    ps_amx_configure_rows(cfg);
+}
+
+/* x [M, K] (row stride ldx) -> xa, the A tiles in the order the passes read them: pass p's step s (k 32 s ..
+ * 32 s + 31) is 32 rows x 64 bytes at xa + (p S + s) 1,024, so an A tile is 16 rows at a stride of 64 bytes
+ * (x's own rows are K x 2 bytes apart: 16 pages for one tile at K = 2,048). Rows over the threads. */
+static inline void ps_amx_pack_x(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xa) {
+    const int64_t S = K / 32;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        uint16_t *dst = xa + ((m / PS_AMX_PASS) * S * PS_AMX_PASS + m % PS_AMX_PASS) * 32;
+        for (int64_t s = 0; s < S; ++s)
+            _mm512_storeu_si512(dst + s * PS_AMX_PASS * 32, _mm512_loadu_si512(x + m * ldx + 32 * s));
+    }
+}
+
+/* C[r][h] for one block and one pass: the pass's A tiles xa (ps_amx_pack_x), weights wb (the block), pf:
+ * the thread's prefetch cursor (NULL on a later pass of the block: its weights are in L2 by then), pf_end
+ * its range's end. */
+static inline void ps_amx_block_pass(const uint16_t *xa, int64_t rows, const uint16_t *wb, int64_t K,
+                                     const char *pf, const char *pf_end) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int two = rows > 16;
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const uint16_t *w = wb + k0 * 32; /* pair row k0 / 2, 64 elements each */
+        if (pf) {
+            const char *p = pf + k0 * 64;
+            if (p + 2048 <= pf_end)
+                for (int i = 0; i < 2048; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+        }
+        _tile_loadd(6, w, 128);
+        _tile_loadd(7, w + 32, 128);
+        const uint16_t *a = xa + k0 * PS_AMX_PASS; /* step k0 / 32: 32 rows x 32 k */
+        _tile_loadd(4, a, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a + 16 * 32, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* The pass's sums to out (row stride ldo): columns n0 .. n0 + ncols of rows 0 .. rows, bias added and
+ * rounded once; gated: silu(gate) * up as lanes_linear.c's epilogue (width 16, up bias `up` apart). */
+static inline void ps_amx_epilogue(int64_t rows, const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t ncols,
+                                   int gated, int64_t up) {
+    float c[2][2][16][16] __attribute__((aligned(64))); /* [row block][column half][row][column] */
+    _tile_stored(0, c[0][0], 64);
+    _tile_stored(1, c[0][1], 64);
+    if (rows > 16) {
+        _tile_stored(2, c[1][0], 64);
+        _tile_stored(3, c[1][1], 64);
+    }
+    if (gated) {
+        const __mmask16 lo = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
+        const __m512 bg = bias ? ps_load16_bf16(bias, lo) : _mm512_setzero_ps();
+        const __m512 bu = bias ? ps_load16_bf16(bias + up, lo) : _mm512_setzero_ps();
+        for (int64_t m = 0; m < rows; ++m) {
+            const __m512 g = ps_round16_bf16(_mm512_add_ps(_mm512_load_ps(c[m / 16][0][m % 16]), bg));
+            const __m512 u = ps_round16_bf16(_mm512_add_ps(_mm512_load_ps(c[m / 16][1][m % 16]), bu));
+            ps_store16_bf16(out + m * ldo, _mm512_mul_ps(ps_round16_bf16(ps_silu16(g)), u), lo);
+        }
+        return;
+    }
+    const __mmask16 lo = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
+    const __mmask16 hi = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1u);
+    const __m512 b0 = bias ? ps_load16_bf16(bias, lo) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? ps_load16_bf16(bias + 16, hi) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < rows; ++m) {
+        const __m512 v0 = _mm512_add_ps(_mm512_load_ps(c[m / 16][0][m % 16]), b0);
+        const __m512 v1 = _mm512_add_ps(_mm512_load_ps(c[m / 16][1][m % 16]), b1);
+        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(v0));
+        _mm256_mask_storeu_epi16(out + m * ldo + 16, hi, (__m256i)_mm512_cvtneps_pbh(v1));
+    }
+}
+
+void ps_lanes_linear_bf16(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out, int64_t M,
+                          int64_t N, int64_t K, int64_t ldx, int64_t ldo, int nthreads);
+void ps_lanes_linear_bf16_gated(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out,
+                                int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int nthreads);
+
+static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out, int64_t M,
+                          int64_t N, int64_t K, int64_t ldx, int64_t ldo, int nthreads, int gated) {
+    if (K % 32) { /* no whole A tiles: the same layout through vdpbf16ps (lanes_linear.c) */
+        (gated ? ps_lanes_linear_bf16_gated : ps_lanes_linear_bf16)(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads);
+        return;
+    }
+    const int64_t width = gated ? 16 : 32; /* output columns a block gives */
+    const int64_t nblocks = (N + width - 1) / width, block = K * 32; /* elements per block */
+    const int64_t passes = (M + PS_AMX_PASS - 1) / PS_AMX_PASS;
+    /* rows whose A tiles stay in L2 while a thread sweeps its blocks (PS_AMX_CHUNK bytes of them) */
+    const int64_t chunk = ps_max64(PS_AMX_PASS, PS_AMX_CHUNK / (2 * K) / PS_AMX_PASS * PS_AMX_PASS);
+    uint16_t *xa = malloc((size_t)(passes * PS_AMX_PASS * K) * sizeof(uint16_t));
+    if (!xa) { /* no memory for the A tiles: the same layout through vdpbf16ps */
+        (gated ? ps_lanes_linear_bf16_gated : ps_lanes_linear_bf16)(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        ps_amx_pack_x(x, ldx, M, K, xa); /* ends in a barrier: every A tile is in place */
+        int64_t configured = -1; /* the rows the tiles are configured for */
+        for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+            const int64_t c1 = ps_min64(M, c0 + chunk);
+            /* the same blocks to each thread in every chunk: no barrier needed between chunks */
+#pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < nblocks; ++b) {
+                const uint16_t *wb = lanes + b * block;
+                const int64_t n0 = b * width, ncols = ps_min64(N - n0, width);
+                const char *pf = (const char *)wb + PS_AMX_PF, *pf_end = (const char *)(lanes + nblocks * block);
+                for (int64_t m0 = c0; m0 < c1; m0 += PS_AMX_PASS) {
+                    const int64_t rows = ps_min64(c1 - m0, PS_AMX_PASS);
+                    if (rows != configured) {
+                        ps_amx_configure_pass(rows);
+                        configured = rows;
+                    }
+                    ps_amx_block_pass(xa + m0 * K, rows, wb, K, m0 == c0 ? pf : NULL, pf_end);
+                    ps_amx_epilogue(rows, bias ? bias + n0 : NULL, out + m0 * ldo + n0, ldo, ncols, gated, N);
+                }
+            }
+        }
+        if (configured >= 0) _tile_release();
+    }
+    free(xa);
+}
+
+void ps_amx_linear_bf16(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out, int64_t M,
+                        int64_t N, int64_t K, int64_t ldx, int64_t ldo, int nthreads) {
+    ps_amx_linear(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads, 0);
+}
+
+void ps_amx_linear_bf16_gated(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out,
+                              int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int nthreads) {
+    ps_amx_linear(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads, 1);
+}
+
+/* Built with AMX and granted by the OS. */
+int64_t ps_amx_linear_available(void) { return ps_amx_permitted(); }
+#else
+void ps_amx_linear_bf16(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out, int64_t M,
+                        int64_t N, int64_t K, int64_t ldx, int64_t ldo, int nthreads) {
+    (void)x; (void)lanes; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)ldx; (void)ldo; (void)nthreads;
+}
+void ps_amx_linear_bf16_gated(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out,
+                              int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int nthreads) {
+    ps_amx_linear_bf16(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads);
+}
+int64_t ps_amx_linear_available(void) { return 0; }
+#endif

@@ -1,0 +1,79 @@
+"""csrc/amx_linear.c: the bfloat16 lanes layout multiplied on AMX tiles, against F.linear in float32 (its
+reference) and the vdpbf16ps kernel on the same layout. Runs where the CPU has AMX and the OS grants it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.cpu.ops as ops_mod
+from kernels.cpu.linear import (CpuLinearWeight, amx_linear, amx_linear_silu_mul, has_amx_linear, lanes_linear,
+                                lanes_linear_silu_mul, pack_lanes, pack_lanes_gated)
+
+pytestmark = pytest.mark.skipif(not has_amx_linear(torch.bfloat16), reason="no AMX tiles for bfloat16 here")
+
+BF16 = {"atol": 2e-2, "rtol": 2e-2}
+
+
+def _weight(n: int, k: int, gated: bool = False) -> CpuLinearWeight:
+    torch.manual_seed(n * 131 + k)
+    w = (torch.randn(n, k) / k**0.5).bfloat16()
+    return CpuLinearWeight((pack_lanes_gated if gated else pack_lanes)(w), None, (n, k), True, 64, gated), w
+
+
+# (N, K): whole blocks; N not a multiple of 32 (the last block's masked columns); K a multiple of 32 (tiles)
+# or not (the same layout through vdpbf16ps); SmolLM2's and Llama's inner widths
+@pytest.mark.parametrize("n, k", [(64, 64), (77, 96), (576, 576), (40, 1536), (70, 2048), (33, 45)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 70])
+def test_amx_linear_matches_the_reference(n, k, rows):
+    weight, w = _weight(n, k)
+    x, b = torch.randn(rows, k).bfloat16(), torch.randn(n).bfloat16()
+    for bias in (None, b):
+        out = amx_linear(x, weight, bias)
+        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        torch.testing.assert_close(out.float(), ref, **BF16)
+        torch.testing.assert_close(out, lanes_linear(x, weight, bias), **BF16)
+
+
+def test_rows_are_independent_of_the_batch_around_them():
+    """A row's result does not depend on the rows computed with it (passes of 32, tiles of 16)."""
+    weight, _ = _weight(96, 128)
+    x = torch.randn(70, 128).bfloat16()
+    full = amx_linear(x, weight)
+    for lo, hi in ((0, 1), (3, 20), (31, 33), (64, 70)):
+        assert torch.equal(amx_linear(x[lo:hi].contiguous(), weight), full[lo:hi])
+
+
+@pytest.mark.parametrize("i, k", [(37, 64), (48, 576), (16, 45)])
+@pytest.mark.parametrize("rows", [1, 9, 33])
+def test_gated_amx_linear_is_the_plain_one_then_silu_mul(i, k, rows):
+    """gate_up + SiLU-and-multiply in one pass: bit for bit silu_mul of the plain AMX linear (the same tiles,
+    the same k order), and close to the float32 reference."""
+    gated, w = _weight(2 * i, k, gated=True)
+    plain = CpuLinearWeight(pack_lanes(w), None, (2 * i, k), True, 64)
+    x, b = torch.randn(rows, k).bfloat16(), torch.randn(2 * i).bfloat16()
+    silu_mul = ops_mod.cpu_ops(torch.bfloat16).silu_mul
+    for bias in (None, b):
+        out = amx_linear_silu_mul(x, gated, bias)
+        assert out.shape == (rows, i)
+        assert torch.equal(out, silu_mul(amx_linear(x, plain, bias)))
+        torch.testing.assert_close(out, lanes_linear_silu_mul(x, gated, bias), **BF16)
+
+
+def test_the_bound_bfloat16_ops_run_the_lanes_layout_on_tiles():
+    """On this CPU the bound ops' small form is the AMX kernel: its values, not vdpbf16ps's."""
+    ops = ops_mod.cpu_ops(torch.bfloat16)
+    weight, _ = _weight(96, 256)
+    x = torch.randn(3, 256).bfloat16()
+    assert torch.equal(ops.linear(x, weight), amx_linear(x, weight))
+
+
+def test_amx_linear_rejects_bad_operands():
+    weight, _ = _weight(40, 64)
+    with pytest.raises(ValueError, match="x must be"):
+        amx_linear(torch.randn(3, 65).bfloat16(), weight)
+    with pytest.raises(ValueError, match="bfloat16"):
+        amx_linear(torch.randn(3, 64), weight)
+    with pytest.raises(ValueError, match="bias must be"):
+        amx_linear(torch.randn(3, 64).bfloat16(), weight, torch.randn(39).bfloat16())
