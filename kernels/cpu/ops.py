@@ -37,8 +37,9 @@ from . import onednn_linear
 from .native import NativeKernels, native_kernels
 from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
-from .linear import (EVERY_ROW, CpuLinearWeight, c_kernel_rows, covers, has_lanes, lanes_linear, lanes_linear_silu_mul,
-                     linear_covered, pack_lanes, pack_lanes_gated, row_reader, rows_covered, unpack_weight)
+from .linear import (EVERY_ROW, CpuLinearWeight, amx_linear, amx_linear_silu_mul, c_kernel_rows, covers, has_amx_linear,
+                     has_lanes, lanes_linear, lanes_linear_silu_mul, linear_covered, pack_lanes, pack_lanes_gated,
+                     row_reader, rows_covered, unpack_weight)
 from ..interface import KernelOps
 from ..quant_linear import with_logits_kernels
 from .paged_attention import call_decode, paged_attention_decode_cpu, paged_attention_prefill_cpu
@@ -129,8 +130,9 @@ def pack_gate_up(weight):
 
 def _checked_linear_silu_mul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if type(weight) is CpuLinearWeight and weight.gated:
-        if x.dim() == 2 and x.shape[0] <= weight.small_rows:
-            return lanes_linear_silu_mul(x, weight, bias)
+        if x.dim() == 2 and x.shape[0] <= weight.small_rows:  # the bound ops' kernel: AMX tiles where built
+            fused = amx_linear_silu_mul if has_amx_linear(x.dtype) else lanes_linear_silu_mul
+            return fused(x, weight, bias)
         weight = weight.packed
     return silu_mul_cpu(_checked_linear(x, weight, bias))
 
@@ -140,7 +142,9 @@ def _checked_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -
         raise ValueError("a gate_up weight packed for linear_silu_mul (pack_gate_up) goes to linear_silu_mul")
     if type(weight) is CpuLinearWeight:
         if x.dim() == 2 and x.shape[0] <= weight.small_rows:
-            return lanes_linear(x, weight, bias) if weight.lanes else linear_covered(x, weight.small, bias)
+            if not weight.lanes:
+                return linear_covered(x, weight.small, bias)
+            return (amx_linear if has_amx_linear(x.dtype) else lanes_linear)(x, weight, bias)
         weight = weight.packed
     if type(weight) is WidenedWeight:
         return widened_linear(x, weight, bias)

@@ -28,16 +28,17 @@
  * (K x 64 bytes: 512 KiB at K = 8,192). Blocks of 32 columns go to the threads in contiguous ranges, and
  * each thread prefetches its weights PS_AMX_PF bytes ahead of the tile loads. More rows than PS_AMX_CHUNK
  * bytes of A tiles hold (256 at K = 2,048) go in chunks, each a sweep over the blocks, so the A tiles stay
- * in L2 (without: a 2,048-row prefill re-read 8 MiB of them from L3 for every block, 2x slower). A K that is
- * not a multiple of 32 (no whole A tiles) goes to lanes_linear.c on the same layout.
+ * in L2 (without: 2,048 rows on one 2,048 x 2,048 weight re-read 8 MiB of them per block, 38 ms on one
+ * thread against 19 with the chunks). A K that is not a multiple of 32 (no whole A tiles) goes to
+ * lanes_linear.c on the same layout.
  *
  * Measured (2-core Intel Xeon, family 6 model 207, AMX; weights streamed from memory, bfloat16, time per
- * step against oneDNN's packed AMX GEMM): SmolLM2's 30 layers 11.2 / 11.3 / 9.7 / 27.7 / 227 ms at 1 / 8 /
- * 16 / 64 / 1,088 rows against 22.9 / 21.1 / 18.2 / 29.6 / 349 (results/intel-f6m207-amx/packed_linear_amx.json);
- * 8 of Llama-3.2-1B's layers 40.5 / 45.2 / 112 / 168 ms at 1 / 16 / 64 / 128 rows against 72.6 / 74.5 / 96.7 /
- * 172, 2 layers at 512 / 2,048 rows 174 / 701 against 199 / 687. One row streams at the memory's rate
- * (23.7 GB/s); from 32 rows on the tile multiplies bound it, as they do oneDNN's (~700 GFLOP/s here on
- * weights that stream; the choice per shape and row count is measured at bind, kernels/cpu/choices.py).
+ * step against oneDNN's packed AMX GEMM; results/intel-f6m207-amx/packed_linear_amx*.json): SmolLM2's 30
+ * layers 9.5 / 13.9 / 12.6 / 28.4 / 192 ms at 1 / 8 / 16 / 64 / 1,088 rows against 20.4 / 14.7 / 16.5 / 28.5 /
+ * 352; Llama-3.2-1B's 16 layers 67 / 76 / 135 / 1,291 ms at 1 / 16 / 64 / 512 rows against 81 / 97 / 134 / 864
+ * (interleaved reruns on 2-16 layers put 512 rows at 1.04-1.15x oneDNN's: this VM wanders). One row streams
+ * at the memory's rate; from 32 rows the tile multiplies bound it, as they bound oneDNN (~700 GFLOP/s here
+ * on weights that stream). Which form takes which rows is measured per shape at bind (kernels/cpu/choices.py).
  *
  * The sums run in float32 with the tiles' own rounding (bfloat16 products exact, float32 adds; AMX treats
  * bfloat16 denormals as 0), rounded once to bfloat16 at the end, so results differ from vdpbf16ps's by
