@@ -148,17 +148,13 @@ void ps_lanes_linear_bf16_gated(const uint16_t *x, const uint16_t *lanes, const 
 
 static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out, int64_t M,
                           int64_t N, int64_t K, int64_t ldx, int64_t ldo, int nthreads, int gated) {
-    if (K % 32) { /* no whole A tiles: the same layout through vdpbf16ps (lanes_linear.c) */
-        (gated ? ps_lanes_linear_bf16_gated : ps_lanes_linear_bf16)(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads);
-        return;
-    }
     const int64_t width = gated ? 16 : 32; /* output columns a block gives */
     const int64_t nblocks = (N + width - 1) / width, block = K * 32; /* elements per block */
     const int64_t passes = (M + PS_AMX_PASS - 1) / PS_AMX_PASS;
     /* rows whose A tiles stay in L2 while a thread sweeps its blocks (PS_AMX_CHUNK bytes of them) */
     const int64_t chunk = ps_max64(PS_AMX_PASS, PS_AMX_CHUNK / (2 * K) / PS_AMX_PASS * PS_AMX_PASS);
-    uint16_t *xa = malloc((size_t)(passes * PS_AMX_PASS * K) * sizeof(uint16_t));
-    if (!xa) { /* no memory for the A tiles: the same layout through vdpbf16ps */
+    uint16_t *xa = K % 32 ? NULL : malloc((size_t)(passes * PS_AMX_PASS * K) * sizeof(uint16_t));
+    if (!xa) { /* no whole A tiles, or no memory for them: the same layout through vdpbf16ps (lanes_linear.c) */
         (gated ? ps_lanes_linear_bf16_gated : ps_lanes_linear_bf16)(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads);
         return;
     }
