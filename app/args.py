@@ -56,6 +56,8 @@ HELP = {
                                             "and punctuation) appended without sampling"),
     "max_num_seqs": ("scheduler", "sequences in one step at most"),
     "max_num_batched_tokens": ("scheduler", "tokens in one step at most (prefill chunks beside decodes)"),
+    "num_scheduler_steps": ("scheduler", "CUDA: decode steps a batch of plain greedy decodes runs on the GPU per "
+                                         "host round (default: 8 where decode steps replay CUDA graphs; 1: off)"),
     "scheduling_policy": ("scheduler", "fcfs, or priority (a request's priority field; lower runs first)"),
     "preemption_mode": ("scheduler", "when the pool runs dry: recompute (release the newest sequence's blocks) or "
                                      "swap (to host memory; needs --host-kv-cache-memory)"),

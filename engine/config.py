@@ -68,6 +68,11 @@ class EngineConfig:
     # CUDA: decode steps replay CUDA graphs captured at start-up (engine/cuda_graphs.py); True runs every
     # step eagerly, as vLLM's flag of the same name.
     enforce_eager: bool = False
+    # Decode bursts (engine/decode_burst.py, vLLM v0's multi-step scheduling): where every running sequence is
+    # a plain greedy decode and the step replays a CUDA graph, the device runs up to this many decode steps
+    # back to back, feeding each argmax to the next, while the host appends the tokens of the earlier ones.
+    # None: DEFAULT_DECODE_BURST where decode steps replay CUDA graphs, 1 (off) elsewhere.
+    num_scheduler_steps: int | None = None
     # Draft-free speculative decoding (engine/speculative/): a SpeculativeConfig, its JSON text (the CLI
     # flag) or a dict, as vLLM's: {"method": "ngram" | "suffix", "num_speculative_tokens": k, ...}; None or
     # "off": off. "auto": suffix decoding on one CPU process, where it measured never slower; off elsewhere.
@@ -101,6 +106,8 @@ class EngineConfig:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.max_num_seqs < 1:
             bad(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.num_scheduler_steps is not None and not 1 <= self.num_scheduler_steps <= 64:
+            bad(f"num_scheduler_steps must be in [1, 64] or None (auto), got {self.num_scheduler_steps}.")
         if self.max_num_batched_tokens < 1:
             bad(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -15,6 +15,7 @@ from engine.admission import PromptInput, effective_params, tokenize_prompt
 from engine.beam_search import BeamSearch
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes
+from engine.decode_burst import DEFAULT_DECODE_BURST, burst_length
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidConfigError, InvalidRequestError
 from engine.executor import ParallelRunner, TensorParallelWorkers, init_group, threads_per_rank
@@ -99,6 +100,7 @@ class Engine:
             structured=self.structured, num_host_kv_slots=num_host_slots, kv_heads=(0, shard_config.num_kv_heads),
             total_kv_heads=self.model_config.num_kv_heads, cuda_graph_sizes=self._cuda_graph_sizes(ops),
             max_blocks_per_seq=-(-self.max_model_len // config.block_size), kv_cache_dtype=self.kv_dtype,
+            decode_bursts=config.num_scheduler_steps != 1,
         )
         # Once bound: each weight in the form its kernels read, once
         self.weight_bytes_by_layout = resident_bytes_by_layout(model)
@@ -126,6 +128,10 @@ class Engine:
             read_kv_blocks=self._read_kv_blocks, drafter=self.drafter,
             retention=RetentionPolicy(self.blocks, idle_ttl_s=config.prompt_cache_ttl, tiers=self.tiers),
         )
+        # Decode steps per host round for plain greedy decode batches (engine/decode_burst.py): only where
+        # decode steps replay CUDA graphs.
+        replays_graphs = self.workers is None and self.runner.burst_rows() > 0
+        self.burst_steps = (config.num_scheduler_steps or DEFAULT_DECODE_BURST) if replays_graphs else 1
         self.outputs = OutputProcessor(
             self.scheduler, self.detokenizer, self.structured, tuple(self.model_config.eos_token_ids),
             self.max_model_len, fast_forward=config.grammar_fast_forward,
@@ -207,10 +213,41 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         self.outputs.scheduled(scheduler_output)
-        runner_output = self._execute(scheduler_output)
-        self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs = self.outputs.process(scheduler_output, runner_output)
+        scheduler_output, num_steps = self.scheduler.reserve_burst(scheduler_output, self._burst_length(scheduler_output))
+        if num_steps > 1:
+            outputs = self._decode_burst(scheduler_output, num_steps)
+        else:
+            runner_output = self._execute(scheduler_output)
+            self.scheduler.update_from_output(scheduler_output, runner_output)
+            outputs = self.outputs.process(scheduler_output, runner_output)
         self.kv_events.publish()  # this step's cache changes, for KV-aware routers
+        return outputs
+
+    def _burst_length(self, scheduler_output: SchedulerOutput) -> int:
+        """Decode steps this output may run in one host round (engine/decode_burst.py); 1: an ordinary step."""
+        if self.burst_steps <= 1 or self.scheduler.waiting:
+            return 1
+        return burst_length(scheduler_output, self.burst_steps, self.max_model_len, self.runner.burst_rows())
+
+    def _decode_burst(self, scheduler_output: SchedulerOutput, num_steps: int) -> list[RequestOutput]:
+        """Every step of a burst is queued on the device first; then each step's tokens are appended as they
+        arrive, while the device computes the next ones. A request's output comes once per burst (its last
+        step's), or when it finishes."""
+        try:
+            burst = self.runner.launch_burst(scheduler_output, num_steps)
+        except BaseException:
+            self.scheduler.end_step(ok=False)
+            raise
+        outputs: list[RequestOutput] = []
+        for k in range(num_steps):
+            if k:
+                scheduler_output = self.scheduler.continue_burst(scheduler_output)
+                if not scheduler_output.rows:
+                    break
+                self.outputs.scheduled(scheduler_output)
+            runner_output = burst.output(k, scheduler_output)
+            self.scheduler.update_from_output(scheduler_output, runner_output)
+            outputs += self.outputs.process(scheduler_output, runner_output, emit_unfinished=k == num_steps - 1)
         return outputs
 
     def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

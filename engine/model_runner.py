@@ -15,6 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
+from engine.decode_burst import DeviceBurst
 from engine.kv_tiers import KVMover
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -81,11 +82,13 @@ class ModelRunner:
         cuda_graph_sizes: list[int] | None = None,
         max_blocks_per_seq: int = 0,
         kv_cache_dtype: torch.dtype | None = None,
+        decode_bursts: bool = True,
     ) -> None:
         """``kv_heads`` (first, count) of ``total_kv_heads``: this tensor-parallel rank's KV heads.
         ``kv_cache_dtype``: the pool's element type (None: the model dtype; float8 e4m3: kernels/kv_quant.py).
         ``cuda_graph_sizes``: decode batch sizes to capture as CUDA graphs (engine/cuda_graphs.py; None:
-        every step runs eagerly), for block tables of up to ``max_blocks_per_seq`` blocks."""
+        every step runs eagerly), for block tables of up to ``max_blocks_per_seq`` blocks; ``decode_bursts``: with
+        each size's decode-burst step too (engine/decode_burst.py)."""
         self.model, self.cfg, self.ops = model, model_config, ops
         self.structured = structured  # grammar masks of structured-output sequences (owned by the engine)
         self.block_size, self.device, self.dtype = block_size, device, dtype
@@ -101,14 +104,17 @@ class ModelRunner:
         model.bind_ops(ops)  # the backend's ops, bound once: the one forward calls only these
         self.stage_seconds["weights packed (kernels chosen)"] = time.perf_counter() - t0
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
+        self._burst_host: torch.Tensor | None = None  # pinned tokens of decode bursts (launch_burst)
         t0 = time.perf_counter()
-        self.graphs = self._capture_graphs(cuda_graph_sizes, max_blocks_per_seq) if cuda_graph_sizes else None
+        self.graphs = self._capture_graphs(cuda_graph_sizes, max_blocks_per_seq, decode_bursts) \
+            if cuda_graph_sizes else None
         if self.graphs is not None:
             self.stage_seconds["CUDA graphs"] = time.perf_counter() - t0
 
-    def _capture_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> DecodeGraphs | None:
+    def _capture_graphs(self, sizes: list[int], max_blocks_per_seq: int, bursts: bool) -> DecodeGraphs | None:
         try:
-            return DecodeGraphs(self.model, self.kv_cache, self.scale, sizes, max_blocks_per_seq)
+            return DecodeGraphs(self.model, self.kv_cache, self.scale, sizes, max_blocks_per_seq,
+                                burst_block_size=self.block_size if bursts else None)
         except Exception as exc:  # a model or op that cannot be captured still serves, eagerly
             logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
             return None
@@ -144,14 +150,57 @@ class ModelRunner:
         return RunnerOutput(tuple(s.seq_id for s in specs), samples, prompt_lp, timings,
                             time.perf_counter() - start - moved, accepted)
 
+    def burst_rows(self) -> int:
+        """The most rows a decode burst (engine/decode_burst.py) may have here: the largest graph's; 0 without
+        graphs (bursts replay them)."""
+        return self.graphs.sizes[-1] if self.graphs is not None and self.graphs.enabled else 0
+
+    @torch.inference_mode()
+    def launch_burst(self, batch: SchedulerOutput, num_steps: int) -> DeviceBurst:
+        """Queue ``num_steps`` decode steps of ``batch`` (plain greedy decodes, blocks reserved for every step) on
+        the device, each fed the previous one's argmax; returns at once (engine/decode_burst.py)."""
+        rows = batch.rows
+        input_ids, positions, attn = self._prepare(rows, len(rows), table_lookahead=num_steps - 1)
+        if not self.graphs.fits(len(rows), attn):
+            raise ValueError(f"a decode burst of {len(rows)} rows does not fit the CUDA graphs")
+        on_device = self.device.type != "cpu"
+        host = self._burst_host_buffer(num_steps) if on_device else None
+        tokens: list[torch.Tensor] = []
+        events: list | None = [] if on_device else None
+        t, graphs = len(rows), self.graphs
+        graphs.load(input_ids, positions, attn)
+        for k in range(num_steps):
+            if graphs.has_burst_graphs:  # forward, argmax and the next step's inputs: one graph
+                next_ids = graphs.burst_step(t)  # [t], overwritten by the next replay: copied out below
+            else:
+                next_ids = self.model.compute_logits(graphs.replay(t)).max(dim=-1).indices  # the sampler's greedy choice
+                if k + 1 < num_steps:
+                    graphs.advance(next_ids, self.block_size)
+            if on_device:
+                host[k, :t].copy_(next_ids, non_blocking=True)
+                events.append(torch.cuda.Event())
+                events[-1].record()
+            tokens.append(next_ids if on_device else next_ids.clone())
+        return DeviceBurst(tuple(r.seq_id for r in rows), tokens, host, events)
+
+    def _burst_host_buffer(self, num_steps: int) -> torch.Tensor:
+        """Pinned [K, rows] for a burst's tokens, kept: a later burst's copies queue behind an earlier one's."""
+        buf = self._burst_host
+        if buf is None or buf.shape[0] < num_steps:
+            buf = torch.empty((max(num_steps, 8), self.graphs.sizes[-1]), dtype=torch.long, pin_memory=True)
+            self._burst_host = buf
+        return buf
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(input_ids.shape[0], attn):
             return self.graphs.forward(input_ids, positions, attn)
         return self.model(input_ids, positions, self.kv_cache, attn)
 
     # -- tensors ------------------------------------------------------------------------
-    def _prepare(self, rows: tuple[ScheduledRow, ...], num_decodes: int
+    def _prepare(self, rows: tuple[ScheduledRow, ...], num_decodes: int, table_lookahead: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``table_lookahead``: decode rows' block tables also cover that many positions past their end (a
+        decode burst's later steps)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -173,7 +222,7 @@ class ModelRunner:
         attn = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decode_ends),
-            decode_block_tables=self._block_table(decode_ends),
+            decode_block_tables=self._block_table([(ids, end + table_lookahead) for ids, end in decode_ends]),
             decode_seq_lens=torch.tensor([end for _, end in decode_ends], dtype=torch.int32, device=dev),
             prefill_block_tables=self._block_table([(r.block_ids, r.end) for r in prefills]),
             prefill_seq_lens=torch.tensor([r.end for r in prefills], dtype=torch.int32, device=dev),

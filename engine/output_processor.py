@@ -84,7 +84,10 @@ class OutputProcessor:
             if state is not None and state.first_scheduled_time is None:
                 state.first_scheduled_time = now
 
-    def process(self, batch: SchedulerOutput, result: RunnerOutput | None) -> list[RequestOutput]:
+    def process(self, batch: SchedulerOutput, result: RunnerOutput | None, emit_unfinished: bool = True
+                ) -> list[RequestOutput]:
+        """The step's RequestOutputs: one per request it advanced; ``emit_unfinished=False`` (a decode burst's
+        steps before its last) only those that finished."""
         if result is None or not batch.rows:
             return []
         now = time.monotonic()
@@ -114,6 +117,8 @@ class OutputProcessor:
                 self._fast_forward(seq)
         outputs = []
         for state in touched.values():
+            if not emit_unfinished and not state.finished:
+                continue
             if state.beam is not None:
                 if not state.beam.ready():
                     continue

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.inflight_prefixes import InflightPrefixes
@@ -172,6 +172,31 @@ class Scheduler:
             return {}
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         return self.drafter.draft_step(decoding, budget - len(decoding)) if decoding else {}
+
+    # -- decode bursts (engine/decode_burst.py) ------------------------------------------
+    def reserve_burst(self, output: SchedulerOutput, num_steps: int) -> tuple[SchedulerOutput, int]:
+        """Grow every row's blocks to cover ``num_steps`` tokens from its start (a decode burst's steps):
+        the output with those block tables and ``num_steps``, or the output unchanged and 1 where a KV tier is on
+        (a block evicted here would be demoted after the burst overwrote it) or the pool cannot hold them all."""
+        if num_steps <= 1 or self.tiers.enabled:
+            return output, 1
+        grown: list[ScheduledRow] = []
+        for row in output.rows:
+            if self.blocks.allocate(row.seq_id, row.start + num_steps) is None:
+                for done in grown:
+                    self.blocks.trim(done.seq_id, done.end)
+                return output, 1
+            grown.append(row)
+        rows = tuple(replace(row, block_ids=tuple(self.blocks.block_ids(row.seq_id))) for row in output.rows)
+        return replace(output, rows=rows), num_steps
+
+    def continue_burst(self, output: SchedulerOutput) -> SchedulerOutput:
+        """The next step of a decode burst: the rows of ``output``'s sequences still running, each one token
+        on (the token the last step appended), in the same order; their blocks were reserved."""
+        self.tiers.begin_step()
+        rows = tuple(self._row(self.seqs[row.seq_id], 1) for row in output.rows if row.seq_id in self.seqs)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(rows, (), (), self.tiers.take_transfers(), finished)
 
     # -- after the forward ----------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:

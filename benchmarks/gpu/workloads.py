@@ -258,16 +258,22 @@ def compare(result: dict, folder: Path, env: dict, dry: bool) -> dict:
 
 
 def decode_steps(llm, vocab: int, folder: Path, env: dict, dry: bool) -> dict:
-    """Seconds per engine step with DECODE_BATCH sequences decoding (prefill done before the clock),
-    replaying CUDA graphs (the engine's default on a GPU) and eagerly, each against the HBM floor of such
-    a step: the weights and every sequence's KV read once."""
+    """Seconds per decode position with DECODE_BATCH sequences decoding (prefill done before the clock): the
+    wall time for every sequence to gain ``steps`` tokens, over ``steps``. Modes (BURST_MODES): decode bursts of
+    several lengths (engine/decode_burst.py: K steps per host round, each step one captured graph, or with
+    ``-ops`` the forward's graph and the choice and next inputs op by op), single steps replaying CUDA graphs,
+    and eager steps; each against the HBM floor of such a step at the mode's own mean context (the weights and
+    every sequence's KV read once)."""
     from engine import SamplingParams
 
     batch, prompt_len, steps = (4, 16, 4) if dry else (DECODE_BATCH, DECODE_PROMPT, DECODE_STEPS)
     engine = llm.engine
     graphs = engine.runner.graphs
     rng = random.Random(7)
-    params = SamplingParams(temperature=0, max_tokens=2 * steps + 32, ignore_eos=True)
+    modes = [m for m in BURST_MODES if graphs or m[0] == "eager"]
+    longest = max(k for _, k, _, _ in modes)
+    per_mode = 3 + 2 * steps + 4 + 3 * longest  # warm-up, timed, phases, profiler, and what bursts overshoot
+    params = SamplingParams(temperature=0, max_tokens=len(modes) * per_mode + 32, ignore_eos=True)
     ids = [f"decode-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(request_id, {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(prompt_len)]},
@@ -275,43 +281,67 @@ def decode_steps(llm, vocab: int, folder: Path, env: dict, dry: bool) -> dict:
     while engine.scheduler.waiting:  # prefill everything before the clock
         engine.step()
     out = {"batch": len(engine.scheduler.running), "cuda_graph_sizes": graphs.sizes if graphs else None}
-    modes = (("graphs", True), ("eager", False)) if graphs else (("eager", False),)
-    for mode, enabled in modes:
-        if graphs:
-            graphs.enabled = enabled
-        for _ in range(3):  # untimed: the last prefill chunks, the first steps of this mode
-            engine.step()
-        t0 = _now(engine.device.type)
-        for _ in range(steps):
-            engine.step()
-        out[mode] = {"step_s": round((_now(engine.device.type) - t0) / steps, 6),
-                     **device_busy(engine, engine.device.type), "phases_ms": step_phases(engine, steps)}
-    if graphs:
-        graphs.enabled = True
-    for request_id in ids:
-        engine.abort(request_id)
+    burst_steps = engine.burst_steps
     mach = machine(env)
+    shape = None
     if mach and not dry:
         from benchmarks.floor import ModelShape
 
         shape = ModelShape.from_config(folder)
-        ctx = prompt_len + steps + 8  # the mean length over the timed steps
-        floor = (shape.weight_bytes(2) + shape.kv_bytes(batch * ctx, 2)) / mach["memory_bytes_per_s"]
-        out["floor_step_s"] = round(floor, 6)
-        for mode, _ in modes:
-            out[mode]["x_floor"] = round(out[mode]["step_s"] / floor, 2)
-    best = out["graphs" if graphs else "eager"]
-    out.update(step_s=best["step_s"], x_floor=best.get("x_floor"))
+    for mode, burst, enabled, fused in modes:
+        if graphs:
+            graphs.enabled, graphs.fused_bursts = enabled, fused
+        engine.burst_steps = burst
+        decode_tokens(engine, 3)  # untimed: the last prefill chunks, the first steps of this mode
+        context = mean_context(engine)
+        t0 = _now(engine.device.type)
+        gained = decode_tokens(engine, steps)
+        out[mode] = {"step_s": round((_now(engine.device.type) - t0) / gained, 6),
+                     "context": round((context + mean_context(engine)) / 2)}
+        out[mode].update(**device_busy(engine, engine.device.type), phases_ms=step_phases(engine, steps))
+        if shape is not None:
+            floor = (shape.weight_bytes(2) + shape.kv_bytes(batch * out[mode]["context"], 2)) / mach["memory_bytes_per_s"]
+            out[mode].update(floor_step_s=round(floor, 6), x_floor=round(out[mode]["step_s"] / floor, 2))
+    if graphs:
+        graphs.enabled, graphs.fused_bursts = True, graphs.burst_block_size is not None
+    engine.burst_steps = burst_steps
+    for request_id in ids:
+        engine.abort(request_id)
+    best = min((m[0] for m in modes), key=lambda m: out[m].get("x_floor") or out[m]["step_s"])
+    out.update(best=best, step_s=out[best]["step_s"], floor_step_s=out[best].get("floor_step_s"),
+               x_floor=out[best].get("x_floor"))
     return out
 
 
+# (name, engine.burst_steps, graphs replayed, burst steps as one graph): the engine's default is burst8
+BURST_MODES = (("burst8", 8, True, True), ("burst16", 16, True, True), ("burst32", 32, True, True),
+               ("burst16-ops", 16, True, False), ("graphs", 1, True, True), ("eager", 1, False, False))
+
+
+def mean_context(engine) -> float:
+    running = engine.scheduler.running
+    return sum(s.num_tokens for s in running) / max(len(running), 1)
+
+
+def decode_tokens(engine, n: int) -> int:
+    """Engine steps until every running sequence has at least ``n`` more tokens (a burst gives several per step);
+    returns the tokens each gained."""
+    batch = len(engine.scheduler.running)
+    start = engine.outputs.counters.generation_tokens
+    while engine.outputs.counters.generation_tokens < start + n * batch:
+        engine.step()
+    return (engine.outputs.counters.generation_tokens - start) // max(batch, 1)
+
+
 PHASES = (("schedule", "scheduler", "schedule"), ("execute", "runner", "execute"),
-          ("update", "scheduler", "update_from_output"), ("outputs", "outputs", "process"))
+          ("launch", "runner", "launch_burst"), ("update", "scheduler", "update_from_output"),
+          ("outputs", "outputs", "process"))
 
 
 def step_phases(engine, steps: int) -> dict:
-    """Milliseconds a step spends in each of Engine.step's phases (execute ends when the sampled tokens reach
-    the host, so it holds the device's time); what the GPU waits for between steps is the rest."""
+    """Milliseconds a decode position spends in each of Engine.step's phases (execute ends when the sampled
+    tokens reach the host, so it holds the device's time; a burst's launch returns at once and its update
+    waits for each step's tokens); what the host does outside them is the rest."""
     spent = {name: 0.0 for name, _, _ in PHASES}
     originals = []
     for name, owner_attr, method in PHASES:
@@ -329,8 +359,7 @@ def step_phases(engine, steps: int) -> dict:
         setattr(owner, method, timed)
     try:
         t0 = _now(engine.device.type)
-        for _ in range(steps):
-            engine.step()
+        steps = decode_tokens(engine, steps)
         wall = _now(engine.device.type) - t0
     finally:
         for owner, method, _ in originals:
@@ -341,8 +370,8 @@ def step_phases(engine, steps: int) -> dict:
 
 
 def device_busy(engine, device: str, steps: int = 4) -> dict:
-    """Where a decode step's time goes: the device's kernel time per step (torch.profiler) against the
-    step's wall time, and the ops that take most of it; {} where the profiler cannot run."""
+    """Where a decode position's time goes: the device's kernel time per position (torch.profiler) against the
+    wall time, and the ops that take most of it; {} where the profiler cannot run."""
     if device != "cuda":
         return {}
     try:
@@ -351,8 +380,7 @@ def device_busy(engine, device: str, steps: int = 4) -> dict:
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = _now(device)
-            for _ in range(steps):
-                engine.step()
+            steps = decode_tokens(engine, steps)  # per decode position: a burst's engine step holds several
             wall = (_now(device) - t0) / steps
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernel_s = sum(e.self_device_time_total for e in events) / 1e6 / steps
