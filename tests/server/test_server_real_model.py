@@ -89,8 +89,10 @@ def test_64_concurrent_streaming_clients(real_url, real):
 
 
 def test_dropped_client_frees_blocks(real_url, real):
-    body = {"model": "smollm2", "prompt": "Write a very long essay about the history of tea.", "max_tokens": 400,
-            "ignore_eos": True, "stream": True}
+    # Long and sampled, so it is still running when the client leaves: a 400-token greedy stream (suffix drafts
+    # accepted on its repetitions) once ended before a loaded test client read its first chunk.
+    body = {"model": "smollm2", "prompt": "Write a very long essay about the history of tea.", "max_tokens": 1900,
+            "temperature": 1.0, "seed": 7, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{real_url}/v1/completions", json=body) as response:
             for line in response.iter_lines():
