@@ -62,7 +62,8 @@ PREFILL_ARGTYPES = [_P] * 8 + [_I64] * 8 + [_I64] * 2 + [_I64] * 3 + [_I64] * 3 
 # (no scratch: no shared-prefix phase) -> 1 on a bad block id
 DECODE_FP8_ARGTYPES = DECODE_ARGTYPES[:23] + [_F, _F, _F, _I64, _INT]
 # x, packed weight, scales, out; M, N, K, group, x row stride, out row stride; bf16; nthreads -> 1 on no memory
-INT4_LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 6 + [_INT, _INT]
+INT4_LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 6 + [_INT, _INT, _INT]  # ..., bf16, nthreads, symmetric (m = -8 d)
+INT8_LINEAR_ARGTYPES = INT4_LINEAR_ARGTYPES[:-1]
 # x, weight (or its lanes layout), bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
 LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
 # key, value, k_cache, v_cache, slots (int64); T, row bytes, key/value token strides, cache slot
@@ -286,7 +287,7 @@ def _load(path: Path) -> NativeKernels:
     lib.ps_int4_linear.argtypes, lib.ps_int4_linear.restype = INT4_LINEAR_ARGTYPES, ctypes.c_int64
     lib.ps_int4_linear_available.restype = ctypes.c_int64
     int4_linear = lib.ps_int4_linear if lib.ps_int4_linear_available() else None
-    lib.ps_int8_linear.argtypes, lib.ps_int8_linear.restype = INT4_LINEAR_ARGTYPES, ctypes.c_int64
+    lib.ps_int8_linear.argtypes, lib.ps_int8_linear.restype = INT8_LINEAR_ARGTYPES, ctypes.c_int64
     lib.ps_int8_linear_available.restype = ctypes.c_int64
     int8_linear = lib.ps_int8_linear if lib.ps_int8_linear_available() else None
     lib.ps_top_k_top_p.argtypes, lib.ps_top_k_top_p.restype = TOP_P_ARGTYPES, ctypes.c_int64

@@ -31,6 +31,40 @@ def test_pack_roundtrips_exactly():
                                + m.half().float().repeat_interleave(64, 1))
 
 
+def test_symmetric_groups_keep_d_alone():
+    """Q4_0's w = (q - 8) d: scales [N/16, K/g, 1, 16], unpacked and dequantized with m = -8 d."""
+    q, d, _ = _parts(48, 128, 32)
+    packed, scales = il.pack_int4(q, d, None)
+    assert scales.shape == (3, 4, 1, 16) and il.is_symmetric(scales)
+    full_packed, full = il.pack_int4(q, d, -8 * d)
+    assert torch.equal(packed, full_packed) and scales.numel() * 2 == full.numel()
+    uq, ud, um = il.unpack_int4(packed, scales)
+    assert torch.equal(uq.int(), q) and torch.equal(ud, d.half().float()) and torch.equal(um, -8 * d.half().float())
+    assert torch.equal(il.dequantize_int4(packed, scales), il.dequantize_int4(full_packed, full))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 8, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_symmetric_kernel_equals_the_two_scale_form(m, dtype):
+    """The kernel's m = -8 d (exact in float32) gives the two-scale layout's output bit for bit."""
+    q, d, _ = _parts(960, 576, 32, seed=m)
+    sym = il.pack_int4(q, d, None)
+    full = il.pack_int4(q, d, -8 * d)
+    x = torch.randn(m, 576, dtype=dtype) * 2
+    assert torch.equal(il.int4_linear_cpu(x, *sym, 32), il.int4_linear_cpu(x, *full, 32))
+    torch.testing.assert_close(il.int4_linear_cpu(x, *sym, 32).float(), il.int4_linear_torch(x, *sym, 32).float(),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
+
+
+def test_q4_0_groups_pack_symmetric():
+    """int4_from_groups with zero 0 (how GGUF's Q4_0 loads) holds d alone; Q4_1's offsets keep both."""
+    q, d, m = _parts(32, 64, 32)
+    if il.supports(32, 64, 32):
+        assert int4_from_groups(q, d, torch.zeros_like(d)).scales.shape[2] == 1
+        assert int4_from_groups(q, d, m + 8 * d).scales.shape[2] == 2
+
+
 def test_activation_digits_carry_sixteen_bits():
     x = torch.randn(5, 256) * torch.logspace(-3, 2, 256)  # outliers next to small values in every block
     x[2, :32] = 0  # an all-zero block
