@@ -60,22 +60,17 @@ class DeviceBurst:
     """A burst's steps, queued on the device: ``output(k, batch)`` waits for step k's tokens and gives them as
     the RunnerOutput of ``batch`` (the rows of step k that are still running, in launch order)."""
 
-    def __init__(self, seq_ids: tuple[str, ...], tokens: list[torch.Tensor], host: torch.Tensor | None,
-                 events: list | None) -> None:
-        """``tokens[k]``: step k's argmax [B] on the device; ``host``/``events``: their pinned host copies
-        [K, >=B] and the events recorded after each copy (None on a CPU device: the tokens are on the host)."""
+    def __init__(self, seq_ids: tuple[str, ...], host: torch.Tensor, events: list | None) -> None:
+        """``host`` [K, >=B]: each step's argmax of the B launched rows, on the host; ``events``: recorded after
+        each step's copy into it (pinned memory, filled while the device runs), or None where the device is
+        the CPU (filled before the burst returned)."""
         self.index = {seq_id: i for i, seq_id in enumerate(seq_ids)}
-        self.tokens, self.host, self.events = tokens, host, events
+        self.host, self.events = host, events
         self.started = time.perf_counter()
 
-    @property
-    def num_steps(self) -> int:
-        return len(self.tokens)
-
     def step_tokens(self, k: int) -> list[int]:
-        if self.events is None:
-            return self.tokens[k].tolist()
-        self.events[k].synchronize()
+        if self.events is not None:
+            self.events[k].synchronize()
         return self.host[k, : len(self.index)].tolist()
 
     def output(self, k: int, batch: SchedulerOutput):

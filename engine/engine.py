@@ -213,7 +213,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         self.outputs.scheduled(scheduler_output)
-        scheduler_output, num_steps = self.scheduler.reserve_burst(scheduler_output, self._burst_length(scheduler_output))
+        scheduler_output, num_steps = self._plan_burst(scheduler_output)
         if num_steps > 1:
             outputs = self._decode_burst(scheduler_output, num_steps)
         else:
@@ -223,11 +223,13 @@ class Engine:
         self.kv_events.publish()  # this step's cache changes, for KV-aware routers
         return outputs
 
-    def _burst_length(self, scheduler_output: SchedulerOutput) -> int:
-        """Decode steps this output may run in one host round (engine/decode_burst.py); 1: an ordinary step."""
+    def _plan_burst(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, int]:
+        """Decode steps this output runs in one host round (engine/decode_burst.py), with its blocks grown for
+        them; 1 (the output as it is): an ordinary step."""
         if self.burst_steps <= 1 or self.scheduler.waiting:
-            return 1
-        return burst_length(scheduler_output, self.burst_steps, self.max_model_len, self.runner.burst_rows())
+            return scheduler_output, 1
+        num_steps = burst_length(scheduler_output, self.burst_steps, self.max_model_len, self.runner.burst_rows())
+        return self.scheduler.reserve_burst(scheduler_output, num_steps)
 
     def _decode_burst(self, scheduler_output: SchedulerOutput, num_steps: int) -> list[RequestOutput]:
         """Every step of a burst is queued on the device first; then each step's tokens are appended as they

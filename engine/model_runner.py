@@ -164,24 +164,22 @@ class ModelRunner:
         if not self.graphs.fits(len(rows), attn):
             raise ValueError(f"a decode burst of {len(rows)} rows does not fit the CUDA graphs")
         on_device = self.device.type != "cpu"
-        host = self._burst_host_buffer(num_steps) if on_device else None
-        tokens: list[torch.Tensor] = []
-        events: list | None = [] if on_device else None
         t, graphs = len(rows), self.graphs
+        host = self._burst_host_buffer(num_steps) if on_device else torch.empty((num_steps, t), dtype=torch.long)
+        events: list | None = [] if on_device else None
         graphs.load(input_ids, positions, attn)
         for k in range(num_steps):
             if graphs.has_burst_graphs:  # forward, argmax and the next step's inputs: one graph
                 next_ids = graphs.burst_step(t)  # [t], overwritten by the next replay: copied out below
             else:
-                next_ids = self.model.compute_logits(graphs.replay(t)).max(dim=-1).indices  # the sampler's greedy choice
+                next_ids = self.model.compute_logits(graphs.replay(t)).max(dim=-1).indices  # the sampler's argmax
                 if k + 1 < num_steps:
                     graphs.advance(next_ids, self.block_size)
+            host[k, :t].copy_(next_ids, non_blocking=on_device)
             if on_device:
-                host[k, :t].copy_(next_ids, non_blocking=True)
                 events.append(torch.cuda.Event())
                 events[-1].record()
-            tokens.append(next_ids if on_device else next_ids.clone())
-        return DeviceBurst(tuple(r.seq_id for r in rows), tokens, host, events)
+        return DeviceBurst(tuple(r.seq_id for r in rows), host, events)
 
     def _burst_host_buffer(self, num_steps: int) -> torch.Tensor:
         """Pinned [K, rows] for a burst's tokens, kept: a later burst's copies queue behind an earlier one's."""

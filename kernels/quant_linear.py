@@ -87,7 +87,7 @@ def int4_from_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g
 def _pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> QuantizedWeight:
     n, k = q.shape
     # Symmetric groups (GGUF's Q4_0: zero 0) keep d alone: m = -8 d is exact in float16 as in float32.
-    m = None if not bool(zero.any()) else zero - 8 * scale.float()
+    m = zero - 8 * scale.float() if bool(zero.any()) else None
     packed, dm = int4_linear.pack_int4(q, scale, m)
     return QuantizedWeight("int4_vnni", on_huge_pages(packed), dm, n, k, group_size)  # streamed: 2 MiB pages
 
