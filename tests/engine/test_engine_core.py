@@ -152,6 +152,7 @@ def test_bad_requests_raise_clear_errors(llm):
 @pytest.mark.parametrize("kwargs", [
     {"dtype": "float64"}, {"block_size": 12}, {"num_kv_blocks": 0}, {"max_num_seqs": 0},
     {"scheduling_policy": "lifo"}, {"attention_backend": "cuda-magic"}, {"device": "tpu"},
+    {"num_scheduler_steps": 0}, {"num_scheduler_steps": 65},
 ])
 def test_bad_engine_config_raises(kwargs):
     with pytest.raises(InvalidConfigError):
