@@ -222,10 +222,10 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [L, 2, NB, BS, Hkv, D]
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        ops, cfg = self.ops, self.config
+        cfg, nd = self.config, attn.num_decode_tokens
         T, Hq, Hkv, D = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        ops = self.ops.decode_ops or self.ops if nd == T else self.ops
         eps = cfg.rms_norm_eps
-        nd = attn.num_decode_tokens
         x = self._embed(input_ids)  # [T, hidden]
         ropes = self._ropes(positions, x.dtype)  # per layer: (cos, sin) [T, D/2] each
         act_mul = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_mul

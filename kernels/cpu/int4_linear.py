@@ -83,14 +83,16 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_si
         raise ValueError(f"int4_linear: x must be float32 or bfloat16 [M, {k}], got {tuple(x.shape)} {x.dtype}")
 
 
-def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x [M, K] float32 / bfloat16 -> [M, N] in x's dtype (see module docstring)."""
+def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+                    two_digits: bool = True) -> torch.Tensor:
+    """x [M, K] float32 / bfloat16 -> [M, N] in x's dtype (see module docstring; ``two_digits`` False: one int8
+    digit per input, as llama.cpp's Q8 rows, half the multiply-adds)."""
     _check(x, packed, scales, group_size)
-    return int4_linear_unchecked(x, packed, scales, group_size)
+    return int4_linear_unchecked(x, packed, scales, group_size, two_digits)
 
 
 def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                          group_size: int) -> torch.Tensor:
+                          group_size: int, two_digits: bool = True) -> torch.Tensor:
     """:func:`int4_linear_cpu` for operands already checked: packed and scales as pack_int4 made them,
     x float32 / bfloat16 [M, K] (quant_linear's per-call path: the checks cost ~5 us, a third of a
     one-row call)."""
@@ -102,7 +104,7 @@ def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
         return out
     rc = native_kernels().int4_linear(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), m, n,
                                       x.shape[1], group_size, x.stride(0), n, int(x.dtype == torch.bfloat16),
-                                      torch.get_num_threads(), int(scales.shape[2] == 1))
+                                      torch.get_num_threads(), int(scales.shape[2] == 1), int(two_digits))
     if rc:
         raise MemoryError("int4_linear: no memory for the quantized activations")
     return out
@@ -149,9 +151,10 @@ def _check8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None
         raise ValueError(f"int8_linear: x must be float32 or bfloat16 [M, {k}], got {tuple(x.shape)} {x.dtype}")
 
 
-def int8_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    two_digits: bool = True) -> torch.Tensor:
     """x [M, K] float32 / bfloat16 -> [M, N] float32: the int8 table of :func:`pack_int8` against x's two int8
-    digits, through the int4 kernel's tiles with 8-bit weights (csrc/int4_linear.c ps_int8_linear)."""
+    digits (or one), through the int4 kernel's tiles with 8-bit weights (csrc/int4_linear.c ps_int8_linear)."""
     _check8(x, packed, scales)
     x = x if x.stride(1) == 1 else x.contiguous()
     xf = x.float() if x.dtype != torch.float32 else x
@@ -160,40 +163,46 @@ def int8_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor)
     if m == 0:
         return out
     rc = native_kernels().int8_linear(xf.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), m, n, k,
-                                      k, xf.stride(0), n, 0, torch.get_num_threads())
+                                      k, xf.stride(0), n, 0, torch.get_num_threads(), int(two_digits))
     if rc:
         raise MemoryError("int8_linear: no memory for the quantized activations")
     return out
 
 
-def int8_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                      two_digits: bool = True) -> torch.Tensor:
     """The reference of :func:`int8_linear_cpu`: the same int8 rows, the sums in float64."""
     _check8(x, packed, scales)
-    xa = _activations_as_seen(x)  # [M, K]
+    xa = _activations_as_seen(x, two_digits)  # [M, K]
     return (xa @ dequantize_int8(packed, scales).double().t()).float()
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (hi + lo / 254 [M, K] float32, ad [M, K/32]): the kernel's two int8 digits."""
+def quantize_activations(x: torch.Tensor, two_digits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (hi + lo / 254 [M, K] float32, ad [M, K/32]): the kernel's two int8 digits (one: hi alone)."""
     xb = x.float().reshape(x.shape[0], -1, ACT_BLOCK)  # [M, K/32, 32]
     amax = xb.abs().amax(-1)  # [M, K/32]
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax as the kernel divides (torch computes a scalar over a tensor as a reciprocal times 127: an ulp off,
+    # which moves the ties of one digit)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xs = xb * inv[..., None]
     hi = torch.round(xs)  # half to even, as the kernel's conversion
+    if not two_digits:
+        return hi.reshape(x.shape), amax / 127.0
     lo = torch.round((xs - hi) * 254)  # in [-127, 127]
     return (hi + lo / 254).reshape(x.shape), amax / 127.0
 
 
-def _activations_as_seen(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernels see it (its two int8 digits times each block's scale), in float64."""
-    aq, ad = quantize_activations(x)
+def _activations_as_seen(x: torch.Tensor, two_digits: bool = True) -> torch.Tensor:
+    """x [M, K] as the kernels see it (its int8 digits times each block's scale), in float64."""
+    aq, ad = quantize_activations(x, two_digits)
     blocks = aq.shape[1] // ACT_BLOCK
     return (aq.double().reshape(-1, blocks, ACT_BLOCK) * ad.double()[..., None]).reshape(aq.shape)
 
 
-def int4_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_linear_torch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+                      two_digits: bool = True) -> torch.Tensor:
     """The reference of :func:`int4_linear_cpu`: the same int8 rows, the sums in float64."""
     _check(x, packed, scales, group_size)
     w = dequantize_int4(packed, scales).double()  # [N, K]
-    xa = _activations_as_seen(x)  # [M, K]
+    xa = _activations_as_seen(x, two_digits)  # [M, K]
     return (xa @ w.t()).to(x.dtype)

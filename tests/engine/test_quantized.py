@@ -129,6 +129,32 @@ def test_quantized_model_tracks_the_dequantized_one(gguf_dir, kind, monkeypatch)
     quant.engine.check_integrity()
 
 
+def test_decode_steps_take_one_activation_digit_and_prefill_two(gguf_dir, monkeypatch):
+    """The C int4 kernel's precision per step: a prompt's chunks with two int8 digits per input (its first token as
+    precise as before), decode-only steps with one (half the multiply-adds at batch 8), at every row count."""
+    from kernels.cpu import int4_linear as il
+
+    if not il.supports(16, 32, 32):
+        pytest.skip("no C int4 kernel on this CPU")
+    calls: list[tuple[int, bool]] = []
+    kernel = il.int4_linear_unchecked
+
+    def recorded(x, packed, scales, group_size, two_digits=True):
+        calls.append((x.shape[0], two_digits))
+        return kernel(x, packed, scales, group_size, two_digits)
+
+    quant = LLM(model=str(_tiny(gguf_dir, "Q4_0")), quantization="gguf", num_kv_blocks=64, speculative_config=None)
+    monkeypatch.setattr(il, "int4_linear_unchecked", recorded)
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 7 * i))} for i in range(3)]
+    outs = quant.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    prefill = {two for rows, two in calls if rows > 3}
+    decode = {(rows, two) for rows, two in calls if rows <= 3}
+    assert prefill == {True}  # the prompts' chunks: 40+ rows
+    assert decode == {(3, False)}  # the three sequences' decode steps
+    quant.engine.check_integrity()
+
+
 def test_gguf_quantization_needs_a_quantized_gguf(tiny_model_factory):
     with pytest.raises(UnsupportedQuantizationError, match="no quantized GGUF"):
         LLM(model=str(tiny_model_factory("llama")), quantization="gguf", num_kv_blocks=16)

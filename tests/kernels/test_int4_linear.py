@@ -75,22 +75,35 @@ def test_activation_digits_carry_sixteen_bits():
     assert (approx[2, :32] == 0).all()
 
 
+def test_one_activation_digit_carries_eight_bits():
+    """One digit (decode steps): each input within half a step of 8 bits against its block's largest, as llama.cpp's
+    Q8 rows."""
+    x = torch.randn(5, 256) * torch.logspace(-3, 2, 256)
+    xq, ad = il.quantize_activations(x, two_digits=False)
+    approx = (xq.reshape(5, -1, 32) * ad[..., None]).reshape(5, 256)
+    amax = x.abs().reshape(5, -1, 32).amax(-1).repeat_interleave(32, 1)
+    assert ((approx - x).abs() <= amax / 127 * 0.5 * 1.001).all()
+    assert torch.equal(xq, xq.round()) and xq.abs().max() <= 127
+
+
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 17])
 @pytest.mark.parametrize("n,k,group", [(16, 32, 32), (48, 256, 64), (960, 576, 32), (64, 512, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(m, n, k, group, dtype):
+@pytest.mark.parametrize("two_digits", [True, False])
+def test_kernel_matches_reference(m, n, k, group, dtype, two_digits):
     q, d, mm = _parts(n, k, group, seed=m)
     packed, scales = il.pack_int4(q, d, mm)
     wide = torch.randn(m, k + 24, dtype=dtype) * 3
     x = wide[:, 5:5 + k]  # rows with a stride other than K
     x[0, 7] = 40.0  # an outlier in one block
-    out = il.int4_linear_cpu(x, packed, scales, group)
-    ref = il.int4_linear_torch(x, packed, scales, group)
+    out = il.int4_linear_cpu(x, packed, scales, group, two_digits)
+    ref = il.int4_linear_torch(x, packed, scales, group, two_digits)
     assert out.dtype == dtype and out.shape == (m, n)
     # float32 sums of terms that cancel (q d against the offset m): bounded by the terms' magnitude
-    bound = (il.quantize_activations(x)[0].abs().double() @ il.dequantize_int4(packed, scales).abs().double().t())
-    bound = bound * il.quantize_activations(x)[1].amax().double()
+    digits = il.quantize_activations(x, two_digits)
+    bound = (digits[0].abs().double() @ il.dequantize_int4(packed, scales).abs().double().t())
+    bound = bound * digits[1].amax().double()
     tol = 2e-6 if dtype == torch.float32 else 2 ** -8
     err = (out.double() - ref.double()).abs()
     assert (err <= tol * (bound + ref.double().abs())).all(), err.max()
@@ -155,25 +168,27 @@ def test_int8_pack_roundtrips_to_the_table():
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 64])
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 256), (4096, 576)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_kernel_matches_reference(m, n, k, dtype):
+@pytest.mark.parametrize("two_digits", [True, False])
+def test_int8_kernel_matches_reference(m, n, k, dtype, two_digits):
     q, s = _table(n, k, seed=m)
     packed, scales = il.pack_int8(q, s)
     wide = torch.randn(m, k + 24, dtype=dtype) * 3
     x = wide[:, 5:5 + k]  # rows with a stride other than K
     x[0, 7] = 40.0  # an outlier in one block
-    out = il.int8_linear_cpu(x, packed, scales)
-    ref = il.int8_linear_torch(x, packed, scales)
+    out = il.int8_linear_cpu(x, packed, scales, two_digits)
+    ref = il.int8_linear_torch(x, packed, scales, two_digits)
     assert out.dtype == torch.float32 and out.shape == (m, n)
     # float32 sums of terms that cancel: d (q + 128) against the offset -128 d, each up to 255 d |x| (and the
     # block sums reach 2^29: rounded to float32 before scaling)
     d = scales[:, 0, 0].float().reshape(-1)  # [N]
-    bound = il.quantize_activations(x)[0].abs().double() @ (255 * d).double()[None, :].expand(k, n)
-    bound = bound * il.quantize_activations(x)[1].amax().double()
+    digits = il.quantize_activations(x, two_digits)
+    bound = digits[0].abs().double() @ (255 * d).double()[None, :].expand(k, n)
+    bound = bound * digits[1].amax().double()
     err = (out.double() - ref.double()).abs()
     assert (err <= 2e-6 * (bound + ref.double().abs())).all(), err.max()
-    # and against the exact product of the table: the activations' two digits carry ~16 bits
+    # and against the exact product of the table: two digits carry ~16 bits, one 8
     exact = x.double() @ (q.double() * s.half().double()[:, None]).t()
-    assert (out.double() - exact).abs().max() <= 1e-3 * exact.abs().max()
+    assert (out.double() - exact).abs().max() <= (1e-3 if two_digits else 3e-2) * exact.abs().max()
 
 
 @needs_int8

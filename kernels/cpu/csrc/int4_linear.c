@@ -50,7 +50,8 @@ static inline __m512i ps_q4_times254(__m512i v) { return _mm512_sub_epi32(_mm512
 /* Row r of x -> two int8 rows hi, lo [K], ad[K/32] scales, asum[K/32]: per block of 32,
  * x = ad * (hi + lo / 254) to within ad / 508 (about 16 bits against the block's largest |x|;
  * 254, not 256, so that lo = round(254 (x / ad - hi)) never leaves [-127, 127]). */
-static void ps_q4_quantize_row(const void *x, int bf16, int64_t K, int8_t *hi, int8_t *lo, float *ad, float *asum) {
+static void ps_q4_quantize_row(const void *x, int bf16, int64_t K, int8_t *hi, int8_t *lo, float *ad, float *asum,
+                               const int two) {
     for (int64_t b = 0; b < K / PS_Q4_AB; ++b) {
         const __m512 v0 = ps_q4_load16(x, b * PS_Q4_AB, bf16), v1 = ps_q4_load16(x, b * PS_Q4_AB + 16, bf16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -59,14 +60,18 @@ static void ps_q4_quantize_row(const void *x, int bf16, int64_t K, int8_t *hi, i
         for (int h = 0; h < 2; ++h) {
             const __m512 xs = _mm512_mul_ps(h ? v1 : v0, inv); /* |xs| <= 127 */
             const __m512i qh = _mm512_cvtps_epi32(xs);   /* round to nearest even */
+            _mm_storeu_si128((__m128i *)(hi + b * PS_Q4_AB + 16 * h), _mm512_cvtsepi32_epi8(qh));
+            if (!two) {
+                qs = _mm512_add_epi32(qs, qh);
+                continue;
+            }
             const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(xs, _mm512_cvtepi32_ps(qh)),
                                                                 _mm512_set1_ps(254.0f))); /* |ql| <= 127 */
-            _mm_storeu_si128((__m128i *)(hi + b * PS_Q4_AB + 16 * h), _mm512_cvtsepi32_epi8(qh));
             _mm_storeu_si128((__m128i *)(lo + b * PS_Q4_AB + 16 * h), _mm512_cvtsepi32_epi8(ql));
             qs = _mm512_add_epi32(qs, _mm512_add_epi32(ps_q4_times254(qh), ql));
         }
         ad[b] = amax / 127.0f;
-        asum[b] = ad[b] / 254.0f * (float)_mm512_reduce_add_epi32(qs);
+        asum[b] = (two ? ad[b] / 254.0f : ad[b]) * (float)_mm512_reduce_add_epi32(qs);
     }
 }
 
@@ -76,7 +81,7 @@ static inline __attribute__((always_inline)) void ps_q4_tile(const int8_t *restr
                                                              const float *restrict asum, const int64_t K,
                                                              const uint8_t *restrict wt, const uint16_t *restrict st,
                                                              const int64_t G, float *restrict acc, const int MB,
-                                                             const int W8, const int SYM) {
+                                                             const int W8, const int SYM, const int TWO) {
     const int64_t nb = K / PS_Q4_AB;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 f[PS_Q4_MB];
@@ -107,14 +112,27 @@ static inline __attribute__((always_inline)) void ps_q4_tile(const int8_t *restr
             /* four short chains, not one of 16: vpdpbusd's latency bounds a single row */
             __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
             for (int j = 0; j < 8; j += 2) {
-                h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(ah[j]));
-                h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(ah[j + 1]));
-                l0 = _mm512_dpbusd_epi32(l0, w[j], _mm512_set1_epi32(al[j]));
-                l1 = _mm512_dpbusd_epi32(l1, w[j + 1], _mm512_set1_epi32(al[j + 1]));
+                if (TWO) {
+                    h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(ah[j]));
+                    h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(ah[j + 1]));
+                    l0 = _mm512_dpbusd_epi32(l0, w[j], _mm512_set1_epi32(al[j]));
+                    l1 = _mm512_dpbusd_epi32(l1, w[j + 1], _mm512_set1_epi32(al[j + 1]));
+                } else { /* one digit: the four chains over the block's eight vectors */
+                    if (j & 2) {
+                        l0 = _mm512_dpbusd_epi32(l0, w[j], _mm512_set1_epi32(ah[j]));
+                        l1 = _mm512_dpbusd_epi32(l1, w[j + 1], _mm512_set1_epi32(ah[j + 1]));
+                    } else {
+                        h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(ah[j]));
+                        h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(ah[j + 1]));
+                    }
+                }
             }
-            /* 254 sum(q hi) + sum(q lo): |s| < 2^24 for nibbles, exact in float32 (bytes: < 2^29, rounded to 24 bits) */
-            const __m512i s = _mm512_add_epi32(ps_q4_times254(_mm512_add_epi32(h0, h1)), _mm512_add_epi32(l0, l1));
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(ad[r * nb + b] * (1.0f / 254))), f[r]);
+            /* two digits: 254 sum(q hi) + sum(q lo): |s| < 2^24 for nibbles, exact in float32 (bytes: < 2^29, rounded
+             * to 24 bits); one digit: sum(q hi) */
+            const __m512i s = TWO ? _mm512_add_epi32(ps_q4_times254(_mm512_add_epi32(h0, h1)), _mm512_add_epi32(l0, l1))
+                                  : _mm512_add_epi32(_mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1));
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                   _mm512_mul_ps(d, _mm512_set1_ps(ad[r * nb + b] * (TWO ? 1.0f / 254 : 1.0f))), f[r]);
             f[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(asum[r * nb + b]), f[r]);
         }
     }
@@ -126,7 +144,7 @@ static inline __attribute__((always_inline)) void ps_q4_tile(const int8_t *restr
  * Returns 1 when the workspace cannot be allocated. */
 static int64_t ps_q_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
                            int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, const int W8,
-                           const int sym) {
+                           const int sym, const int two) {
     const int64_t nb = K / PS_Q4_AB, ntiles = N / 16;
     int8_t *aq = malloc((size_t)(2 * M * K) + (size_t)(2 * M * nb) * sizeof(float));
     if (!aq) return 1;
@@ -138,7 +156,7 @@ static int64_t ps_q_linear(const void *x, const uint8_t *w, const uint16_t *scal
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
             ps_q4_quantize_row((const char *)x + r * ldx * xsize, bf16, K, hi + r * K, lo + r * K, ad + r * nb,
-                               asum + r * nb);
+                               asum + r * nb, two);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; ++t) {
             const uint8_t *wt = w + t * (W8 ? 16 : 8) * K;
@@ -148,9 +166,10 @@ static int64_t ps_q_linear(const void *x, const uint8_t *w, const uint16_t *scal
                 const int mb = M - m0 < PS_Q4_MB ? (int)(M - m0) : PS_Q4_MB;
                 const int8_t *a = hi + m0 * K, *l = lo + m0 * K;
                 const float *sd = ad + m0 * nb, *ss = asum + m0 * nb;
-/* constant MB and SYM: accumulators in registers, no branch in the loop */
-#define PS_Q4_TILE(MB_) (sym ? ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, MB_, W8, 1) \
-                             : ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, MB_, W8, 0))
+/* constant MB, SYM and TWO: accumulators in registers, no branch in the loop */
+#define PS_Q4_TILE2(MB_, SYM_) (two ? ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, MB_, W8, SYM_, 1) \
+                                    : ps_q4_tile(a, l, sd, ss, K, wt, st, G, acc, MB_, W8, SYM_, 0))
+#define PS_Q4_TILE(MB_) (sym ? PS_Q4_TILE2(MB_, 1) : PS_Q4_TILE2(MB_, 0))
                 switch (mb) {
                 case 1: PS_Q4_TILE(1); break;
                 case 2: PS_Q4_TILE(2); break;
@@ -162,6 +181,7 @@ static int64_t ps_q_linear(const void *x, const uint8_t *w, const uint16_t *scal
                 default: PS_Q4_TILE(8); break;
                 }
 #undef PS_Q4_TILE
+#undef PS_Q4_TILE2
                 for (int r = 0; r < mb; ++r) {
                     const __m512 v = _mm512_loadu_ps(acc + r * 16);
                     if (bf16)
@@ -177,8 +197,8 @@ static int64_t ps_q_linear(const void *x, const uint8_t *w, const uint16_t *scal
 }
 
 int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
-                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym) {
-    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 0, sym);
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym, int two) {
+    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 0, sym, two);
 }
 
 /* The same with 8-bit weights q in [0, 255] (w = q * d + m: an int8 table as q + 128, m = -128 d), laid out
@@ -186,8 +206,8 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
  * the shipped SmolLM2 (49,152 x 576) took 2.4 ms a decode step through torch's _weight_int8pack_mm or the
  * bfloat16 table on a 2-core AMD EPYC Zen 4, where its 28 MB read at 34 GB/s takes 0.8. */
 int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
-                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
-    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 1, 0);
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int two) {
+    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 1, 0, two);
 }
 
 int64_t ps_int4_linear_available(void) { return 1; }
@@ -208,7 +228,8 @@ static inline float ps_q4_x(const void *x, int64_t i, int bf16) {
 }
 
 /* ps_q4_quantize_row of the AVX-512 path, one value at a time (rintf: round to nearest even). */
-static void ps_q4_quantize_row(const void *x, int bf16, int64_t K, int8_t *hi, int8_t *lo, float *ad, float *asum) {
+static void ps_q4_quantize_row(const void *x, int bf16, int64_t K, int8_t *hi, int8_t *lo, float *ad, float *asum,
+                               const int two) {
     for (int64_t b = 0; b < K / PS_Q4_AB; ++b) {
         float amax = 0.0f;
         for (int i = 0; i < PS_Q4_AB; ++i) amax = fmaxf(amax, fabsf(ps_q4_x(x, b * PS_Q4_AB + i, bf16)));
@@ -216,13 +237,13 @@ static void ps_q4_quantize_row(const void *x, int bf16, int64_t K, int8_t *hi, i
         int32_t qs = 0;
         for (int i = 0; i < PS_Q4_AB; ++i) {
             const float xs = ps_q4_x(x, b * PS_Q4_AB + i, bf16) * inv;
-            const float qh = rintf(xs), ql = rintf((xs - qh) * 254.0f);
+            const float qh = rintf(xs), ql = two ? rintf((xs - qh) * 254.0f) : 0.0f;
             hi[b * PS_Q4_AB + i] = (int8_t)qh;
-            lo[b * PS_Q4_AB + i] = (int8_t)ql;
-            qs += 254 * (int32_t)qh + (int32_t)ql;
+            if (two) lo[b * PS_Q4_AB + i] = (int8_t)ql;
+            qs += two ? 254 * (int32_t)qh + (int32_t)ql : (int32_t)qh;
         }
         ad[b] = amax / 127.0f;
-        asum[b] = ad[b] / 254.0f * (float)qs;
+        asum[b] = (two ? ad[b] / 254.0f : ad[b]) * (float)qs;
     }
 }
 
@@ -232,7 +253,7 @@ static inline __attribute__((always_inline)) void ps_q4_half(const int8_t *restr
                                                              const int64_t K, const uint8_t *restrict wt,
                                                              const uint16_t *restrict st, const int64_t G,
                                                              float *restrict acc, const int h, const int MB,
-                                                             const int SYM) {
+                                                             const int SYM, const int TWO) {
     const int64_t nb = K / PS_Q4_AB;
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 f[PS_Q4_MB2];
@@ -254,14 +275,17 @@ static inline __attribute__((always_inline)) void ps_q4_half(const int8_t *restr
                 const int32_t *al = (const int32_t *)(lo + r * K + b * PS_Q4_AB);
                 ih[r] = _mm256_add_epi32(ih[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ah[2 * o])), ones));
                 ih[r] = _mm256_add_epi32(ih[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_set1_epi32(ah[2 * o + 1])), ones));
+                if (!TWO) continue;
                 il[r] = _mm256_add_epi32(il[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(al[2 * o])), ones));
                 il[r] = _mm256_add_epi32(il[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_set1_epi32(al[2 * o + 1])), ones));
             }
         }
         for (int r = 0; r < MB; ++r) {
-            const __m256i s = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ih[r], 8), _mm256_slli_epi32(ih[r], 1)),
-                                               il[r]);
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(ad[r * nb + b] * (1.0f / 254))), f[r]);
+            const __m256i s = TWO ? _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ih[r], 8), _mm256_slli_epi32(ih[r], 1)),
+                                                     il[r])
+                                  : ih[r];
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                   _mm256_mul_ps(d, _mm256_set1_ps(ad[r * nb + b] * (TWO ? 1.0f / 254 : 1.0f))), f[r]);
             f[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(asum[r * nb + b]), f[r]);
         }
     }
@@ -269,7 +293,7 @@ static inline __attribute__((always_inline)) void ps_q4_half(const int8_t *restr
 }
 
 int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
-                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym) {
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym, int two) {
     const int64_t nb = K / PS_Q4_AB, ntiles = N / 16;
     int8_t *aq = malloc((size_t)(2 * M * K) + (size_t)(2 * M * nb) * sizeof(float));
     if (!aq) return 1;
@@ -281,7 +305,7 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
             ps_q4_quantize_row((const char *)x + r * ldx * xsize, bf16, K, hi + r * K, lo + r * K, ad + r * nb,
-                               asum + r * nb);
+                               asum + r * nb, two);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; ++t) {
             const uint8_t *wt = w + t * 8 * K;
@@ -292,8 +316,9 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
                 const int8_t *a = hi + m0 * K, *l = lo + m0 * K;
                 const float *sd = ad + m0 * nb, *ss = asum + m0 * nb;
 /* constant MB and SYM: accumulators in registers */
-#define PS_Q4_HALF(MB_) (sym ? ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, MB_, 1) \
-                             : ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, MB_, 0))
+#define PS_Q4_HALF2(MB_, SYM_) (two ? ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, MB_, SYM_, 1) \
+                                    : ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, MB_, SYM_, 0))
+#define PS_Q4_HALF(MB_) (sym ? PS_Q4_HALF2(MB_, 1) : PS_Q4_HALF2(MB_, 0))
                 for (int h = 0; h < 2; ++h) {
                     switch (mb) {
                     case 1: PS_Q4_HALF(1); break;
@@ -303,6 +328,7 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
                     }
                 }
 #undef PS_Q4_HALF
+#undef PS_Q4_HALF2
                 for (int r = 0; r < mb; ++r)
                     for (int c = 0; c < 16; ++c) {
                         const float v = acc[r * 16 + c];
@@ -321,9 +347,9 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
 int64_t ps_int4_linear_available(void) { return 1; }
 #else
 int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
-                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym) {
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym, int two) {
     (void)x; (void)w; (void)scales; (void)out; (void)M; (void)N; (void)K; (void)G; (void)ldx; (void)ldo;
-    (void)bf16; (void)nthreads; (void)sym;
+    (void)bf16; (void)nthreads; (void)sym; (void)two;
     return 2;
 }
 int64_t ps_int4_linear_available(void) { return 0; } /* no AVX512-VNNI: the launcher keeps torch's int4 kernel */
@@ -332,9 +358,9 @@ int64_t ps_int4_linear_available(void) { return 0; } /* no AVX512-VNNI: the laun
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__))
 /* 8-bit weights only on AVX512-VNNI (the LM head keeps torch's int8 kernel or the bfloat16 table here) */
 int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
-                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads) {
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int two) {
     (void)x; (void)w; (void)scales; (void)out; (void)M; (void)N; (void)K; (void)G; (void)ldx; (void)ldo;
-    (void)bf16; (void)nthreads;
+    (void)bf16; (void)nthreads; (void)two;
     return 2;
 }
 int64_t ps_int8_linear_available(void) { return 0; }
