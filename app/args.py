@@ -13,8 +13,9 @@ ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short forms
 # arguments. tests/server/test_cli_help.py checks that every field has one.
 HELP = {
     "model": ("model", "a builtin model name, a Hugging Face folder, or a .gguf file (nothing is downloaded)"),
-    "dtype": ("model", "float32, bfloat16 (half the weight bytes: faster decode everywhere, faster prefill where the "
-                       "CPU has AVX512-BF16 or AMX, and on GPUs) or float16"),
+    "dtype": ("model", "auto (bfloat16 for a quantized GGUF served in int4 on a CPU with AVX512-BF16 or AMX, "
+                       "float32 otherwise), float32, bfloat16 (half the weight bytes: faster decode everywhere, faster "
+                       "prefill where the CPU has AVX512-BF16 or AMX, and on GPUs) or float16"),
     "device": ("model", "auto (cuda where a GPU is present), cpu, cuda or cuda:N"),
     "quantization": ("model", "auto: a quantized GGUF runs quantized; none: dequantize it; gguf: insist on "
                               "quantized weights"),

@@ -35,8 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import bar_plot, write_json  # noqa: E402
 from benchmarks._llama_cpp import LLAMA_SERVER, installed, llama_server  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf  # noqa: E402
+import torch  # noqa: E402
+
+from engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from engine.auto_dtype import resolve_dtype  # noqa: E402
+from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf, resolve_model  # noqa: E402
 
 TOKENS = 64
 HELD_OUT = (
@@ -152,6 +155,9 @@ def main() -> None:
     gguf = gguf_checkpoint(shape, "Q4_0") if shape else _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL])
     name = f"quantized_{shape}" if shape else "quantized"
     results: dict[str, dict] = {}
+    # the default (dtype "auto", engine/auto_dtype.py) is one of the first two on every CPU: which one is recorded
+    default_dtype = resolve_dtype(EngineConfig(model=str(gguf) if shape else DEFAULT_MODEL, quantization="gguf"),
+                                  resolve_model(str(gguf) if shape else DEFAULT_MODEL), torch.device("cpu")).dtype
     runs = (("prefixserve int4", "gguf", "float32"), ("prefixserve int4, bf16 activations", "gguf", "bfloat16"),
             ("prefixserve dequantized fp32", "none", "float32"))
     ours_ids: list[int] = []
@@ -174,7 +180,7 @@ def main() -> None:
             os.unlink(f.name)
             peer["same_tokens_as_ours"] = held_out_tokens == ours_ids
         results["llama.cpp server"] = peer
-    write_json(name, {"model": gguf.name, "results": results, "ppl_ctx": PPL_CTX,
+    write_json(name, {"model": gguf.name, "results": results, "ppl_ctx": PPL_CTX, "default_dtype": default_dtype,
                       "note": "ppl: llama-perplexity's protocol on the held-out text, for llama.cpp its own "
                               "llama-perplexity binary; same_tokens_as_ours: llama.cpp's /tokenize of the text "
                               "equals our tokenizer's ids; speculative decoding off on both sides"})
@@ -189,11 +195,12 @@ def main() -> None:
         line += (f"; mean loglik {q['mean_loglik']:.4f} vs {d['mean_loglik']:.4f}, "
                  f"ppl {q['ppl']:.2f} vs {d['ppl']:.2f}")
     if peer is not None:
+        b = results["prefixserve int4, bf16 activations"]
         line += (f"; llama.cpp single {peer['single_stream_tok_s']:.1f}, batch 8 {peer['batch8_tok_s']:.1f} tok/s "
-                 f"(ours {q['single_stream_tok_s'] / peer['single_stream_tok_s']:.2f}x, "
+                 f"(ours in float32 {q['single_stream_tok_s'] / peer['single_stream_tok_s']:.2f}x, "
                  f"{q['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x; bf16 activations "
-                 f"{results['prefixserve int4, bf16 activations']['single_stream_tok_s'] / peer['single_stream_tok_s']:.2f}x, "
-                 f"{results['prefixserve int4, bf16 activations']['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x)"
+                 f"{b['single_stream_tok_s'] / peer['single_stream_tok_s']:.2f}x, "
+                 f"{b['batch8_tok_s'] / peer['batch8_tok_s']:.2f}x; default here: {default_dtype})"
                  + (f", ppl {peer['ppl']}" if not shape else ""))
     print(f"{name}: " + line.removeprefix("quantized: "))
 

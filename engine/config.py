@@ -12,7 +12,7 @@ from engine.kv_events import KVEventsConfig
 from engine.models.resolve import DEFAULT_MODEL
 from engine.speculative.config import SpeculativeConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": engine/auto_dtype.py
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -26,7 +26,7 @@ REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "auto"  # vLLM's default: bfloat16 for a quantized GGUF served int4 on AVX512-BF16 / AMX, else float32
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     block_size: int = 16
     # The KV pool's element type, vLLM's kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3" (one

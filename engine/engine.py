@@ -28,6 +28,7 @@ from engine.models.loader import load_model
 from engine.models.packed_weights import resident_bytes_by_layout
 from engine.models.parallel import SINGLE, TPGroup
 from engine.models.sharding import local_config
+from engine.auto_dtype import resolve_dtype
 from engine.models.resolve import model_fingerprint, names_gguf, resolve_model
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
@@ -53,11 +54,11 @@ __all__ = ["Engine", "PromptInput"]
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        self.config = config
         self.device = _resolve_device(config.device)
+        folder = resolve_model(config.model)
+        self.config = config = resolve_dtype(config, folder, self.device)  # "auto": engine/auto_dtype.py
         self.dtype = getattr(torch, config.dtype)
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)  # the model dtype, or float8 e4m3
-        folder = resolve_model(config.model)
         self.model_path = folder
         self.model_config: ModelConfig = load_model_config(folder)
         self.max_model_len = _max_model_len(config, self.model_config)
