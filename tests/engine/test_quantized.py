@@ -76,7 +76,8 @@ def test_a_mixed_type_file_serves_each_tensor_in_its_layout(gguf_dir, caplog):
     path = gguf_dir / "tiny.mixed.gguf"
     write_tiny_gguf(path, _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL]), linear_type="Q4_0", types=MIXED)
     with caplog.at_level(logging.INFO, logger="prefixserve"):
-        quant = LLM(model=str(path), quantization="gguf", num_kv_blocks=64)
+        # float32: "auto" would serve this int4 file in bfloat16 on a CPU with AVX512-BF16, and HF tracks in float32
+        quant = LLM(model=str(path), quantization="gguf", dtype="float32", num_kv_blocks=64)
     layouts = quant.model_info.weight_bytes_by_layout
     assert {"int4", "int8", "float32"} <= set(layouts), layouts  # gate/up int4, q/k/v and down int8, o dense
     logged = " ".join(r.getMessage() for r in caplog.records)
