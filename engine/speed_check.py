@@ -118,8 +118,7 @@ def _timed(runner, batch, repeats: int) -> tuple[float, dict[str, float]]:
         try:
             for _ in range(repeats):
                 seconds: dict[str, float] = defaultdict(float)
-                model.ops = dataclasses.replace(bound, **{n: _tally(seconds, n, getattr(bound, n)) for n in OPS
-                                                          if getattr(bound, n, None) is not None})
+                model.ops = _tallied(bound, seconds)
                 t0 = time.perf_counter()
                 run(seconds)
                 total = time.perf_counter() - t0
@@ -129,6 +128,14 @@ def _timed(runner, batch, repeats: int) -> tuple[float, dict[str, float]]:
         finally:
             model.ops = bound
     return best, dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
+def _tallied(ops, seconds: dict[str, float]):
+    """``ops`` with each op of OPS tallied into ``seconds``, its decode_ops too (what a decode-only step runs)."""
+    wrapped = {n: _tally(seconds, n, getattr(ops, n)) for n in OPS if getattr(ops, n, None) is not None}
+    if ops.decode_ops is not None:
+        wrapped["decode_ops"] = _tallied(ops.decode_ops, seconds)
+    return dataclasses.replace(ops, **wrapped)
 
 
 def _tally(seconds: dict[str, float], name: str, fn):

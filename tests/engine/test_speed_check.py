@@ -30,6 +30,31 @@ def test_every_cpu_engine_checks_its_speed_at_start_up(tiny_model_factory, caplo
     llm.engine.check_integrity()
 
 
+def test_a_quantized_models_decode_ops_are_tallied(tmp_path, monkeypatch):
+    """A decode-only step runs the op set's decode_ops (the int4 linears' one-digit form): their time is the
+    linears', not the Python between the ops."""
+    pytest.importorskip("gguf")
+    from engine.models.resolve import BUILTIN_MODELS, DEFAULT_MODEL, _builtin_gguf
+    from fixtures.gguf_writer import write_tiny_gguf
+
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.Q4_0.gguf", _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL]), linear_type="Q4_0")
+    llm = _llm(path, quantization="gguf")
+    runner = llm.engine.runner
+    bound = runner.model.ops
+    assert bound.decode_ops is not None
+    slow = bound.decode_ops.linear
+
+    def slow_linear(*args, **kwargs):
+        time.sleep(0.01)  # 10 ms a call: the decode step is the linears'
+        return slow(*args, **kwargs)
+
+    runner.model.ops = dataclasses.replace(bound, decode_ops=dataclasses.replace(bound.decode_ops, linear=slow_linear))
+    report = check_speed(runner, llm.engine.dtype, llm.engine.weight_bytes, llm.engine.dispatch.cache_dir)
+    assert max(report.decode_ops, key=report.decode_ops.get) == "linear", report.decode_ops
+    assert runner.model.ops.decode_ops.linear is slow_linear  # the bound set is put back
+
+
 def test_a_slow_op_is_named_in_a_warning(tiny_model_factory, caplog):
     llm = _llm(tiny_model_factory("llama"))
     runner = llm.engine.runner
