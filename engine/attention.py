@@ -27,6 +27,10 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor  # [P] int32
     prefill_query_start_loc: torch.Tensor  # [P+1] int32, offsets into the prefill slice
     scale: float
+    # Rows that are prompt tokens (decode rows included: a prompt's last token computed alone after a cache hit).
+    # In a step with none, the forward runs the op set's decode_ops, which may trade precision for speed (the
+    # int4 CPU linears' one activation digit): a prompt's tokens, and so its first output token, never do.
+    num_prompt_tokens: int = 0
 
     @property
     def num_prefills(self) -> int:

@@ -226,6 +226,7 @@ class ModelRunner:
             prefill_seq_lens=torch.tensor([r.end for r in prefills], dtype=torch.int32, device=dev),
             prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             scale=self.scale,
+            num_prompt_tokens=sum(r.num_prompt_tokens for r in rows),
         )
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),

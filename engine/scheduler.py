@@ -249,7 +249,8 @@ class Scheduler:
             samples = tuple(self._sample_spec(s) for s in (seq, *seq.pending_forks))
         return ScheduledRow(seq.seq_id, start, tuple(seq.token_ids[start:end]) + draft,
                             tuple(self.blocks.block_ids(seq.seq_id)), samples,
-                            self._prompt_logprobs_spec(seq, start, end), len(draft))
+                            self._prompt_logprobs_spec(seq, start, end), len(draft),
+                            max(0, min(end, seq.num_prompt_tokens) - start))
 
     def _sample_spec(self, seq: Sequence) -> SampleSpec:
         p = seq.params

@@ -52,6 +52,8 @@ class ScheduledRow:
     # yet. The row samples at its last num_draft_tokens + 1 positions; the runner keeps the drafts that
     # agree with those samples and the sample after them (engine/speculative/).
     num_draft_tokens: int = 0
+    # How many of token_ids (the first ones) are the prompt's: AttentionMetadata.num_prompt_tokens
+    num_prompt_tokens: int = 0
 
     @property
     def draft_token_ids(self) -> tuple[int, ...]:

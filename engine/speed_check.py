@@ -168,7 +168,8 @@ def prefill_batch(runner, tokens: int):
         decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
         decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=dev), prefill_block_tables=table,
         prefill_seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
-        prefill_query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev), scale=runner.scale)
+        prefill_query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev), scale=runner.scale,
+        num_prompt_tokens=tokens)
     ids = torch.arange(tokens, dtype=torch.long, device=dev) % 1000 + 100
     return ids, torch.arange(tokens, dtype=torch.long, device=dev), attn
 

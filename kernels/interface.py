@@ -53,9 +53,9 @@ class KernelOps:
     # row_reader(form) -> fn(ids) -> rows [T, K] read from a bound form, or None where the form cannot: a tied LM
     # head's form then serves the embedding too (None: the backend never does)
     row_reader: Callable | None = None
-    # The set a decode-only step runs (None: this one). Why: where a kernel trades precision for speed it does so
-    # only in decode steps, so a prompt's first token keeps the full precision (the int4 CPU linears: one int8
-    # digit per input there, kernels/quant_linear.py with_quantized_linear)
+    # The set a step without prompt tokens runs (None: this one; engine/attention.py num_prompt_tokens). Why: where a
+    # kernel trades precision for speed it does so only there, so a prompt's first output token keeps the full
+    # precision (the int4 CPU linears: one int8 digit per input there, kernels/quant_linear.py with_quantized_linear)
     decode_ops: KernelOps | None = None
 
 

@@ -331,8 +331,8 @@ def with_quantized_linear(ops):
     """The op set with ``linear`` also taking QuantizedWeight (the backend's own linear otherwise),
     and ``pack_weight`` leaving quantized weights as they are: the one forward stays unchanged.
 
-    Its ``decode_ops`` run the C int4 kernel on one int8 digit per input, as llama.cpp's Q8 rows, where prefill
-    keeps two. Why: at 8 rows the kernel is bound by its multiply-adds, and one digit halves them (SmolLM2's
+    Its ``decode_ops`` (a step without prompt tokens: decodes, speculative verification) run the C int4 kernel on one
+    int8 digit per input, as llama.cpp's Q8 rows, where a step with prompt tokens keeps two. Why: at 8 rows the kernel is bound by its multiply-adds, and one digit halves them (SmolLM2's
     linears at batch 8: 6.8 -> 4.3 ms a step on a 2-core AMD EPYC Zen 4; at 1 row 1.78 -> 1.53), while a prompt's
     first token keeps the precision that answers the README's question as the dense model does (one digit in
     prefill turned its near-tie, "The" -1.92 / "L" -2.01, into "L'Étoile, ..."; perplexity 25.95 -> 25.97)."""

@@ -130,9 +130,11 @@ def test_quantized_model_tracks_the_dequantized_one(gguf_dir, kind, monkeypatch)
     quant.engine.check_integrity()
 
 
-def test_decode_steps_take_one_activation_digit_and_prefill_two(gguf_dir, monkeypatch):
-    """The C int4 kernel's precision per step: a prompt's chunks with two int8 digits per input (its first token as
-    precise as before), decode-only steps with one (half the multiply-adds at batch 8), at every row count."""
+def test_steps_without_prompt_tokens_take_one_activation_digit(gguf_dir, monkeypatch):
+    """The C int4 kernel's precision per step: a step holding prompt tokens with two int8 digits per input (so a
+    prompt's first output token is as precise as before), a step of generated tokens alone with one (half the
+    multiply-adds at batch 8), at every row count; a prompt's last token computed alone after a cache hit is a
+    prompt token."""
     from kernels.cpu import int4_linear as il
 
     if not il.supports(16, 32, 32):
@@ -153,6 +155,14 @@ def test_decode_steps_take_one_activation_digit_and_prefill_two(gguf_dir, monkey
     decode = {(rows, two) for rows, two in calls if rows <= 3}
     assert prefill == {True}  # the prompts' chunks: 40+ rows
     assert decode == {(3, False)}  # the three sequences' decode steps
+    # 33 tokens: again, its first 32 come from the cache and the 33rd runs alone, as a decode row of the kernels
+    prompt = {"prompt_token_ids": list(range(300, 333))}
+    quant.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    calls.clear()
+    again = quant.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32
+    per_step = len(calls) // 2  # two forwards of one row: the prompt's last token, then a decode
+    assert {two for _, two in calls[:per_step]} == {True} and {two for _, two in calls[per_step:]} == {False}
     quant.engine.check_integrity()
 
 
