@@ -126,6 +126,24 @@ static inline __attribute__((always_inline)) void ps_prefetch_block(const void *
         }
 }
 
+/* The decode items' prefetch (paged_attention_decode.c), spread over the work: the first PS_DECODE_AHEAD blocks of
+ * an item at once, then, as token t of block j is scored, row t of K and V of block j + PS_DECODE_AHEAD. Why: a
+ * whole block's 128 lines (float32, SmolLM2's) prefetched at once as the block before starts, as ps_prefetch_block
+ * does, came in bursts the memory system served at ~15 GB/s of this VM's 36; spread, the pool streams steadily.
+ * Per layer, 2-core AMD EPYC Zen 4, SmolLM2's 9 query / 3 KV heads, float32, 30 pools on 2 MiB pages read cold,
+ * two interleaved rounds: 8 sequences x 160 tokens 129-139 -> 108-119 us, 64 x 350 1.99-2.22 -> 1.75-2.00 ms,
+ * 8 x 1,000 0.71-0.82 -> 0.67-0.70 ms, 1 x 1,000 105-125 -> 103-117 us (ahead 1, 3 and 4 blocks measured no
+ * better than 2, and whole items at once worse); bfloat16 (the AVX512-BF16 item) 65-69 -> 58-59 us,
+ * 0.96-1.02 -> 0.71-0.72 ms, 320-336 -> 237-243 us, 49-53 -> 50-51 us. The AVX2 and fp8 items still prefetch a
+ * block at a time (not measured). */
+#define PS_DECODE_AHEAD 2
+static inline __attribute__((always_inline)) void ps_prefetch_row(const char *k, const char *v, int64_t row_bytes) {
+    for (int64_t c = 0; c < row_bytes; c += 64) {
+        __builtin_prefetch(k + c, 0, 2);
+        __builtin_prefetch(v + c, 0, 2);
+    }
+}
+
 /* Where a float32 item reads its K and V rows: gathered at K / V (position rows D apart, zero past the
  * sequence's length), or, for each whole 16-key tile, in place in the paged cache, whose blocks (BS a
  * multiple of 16) hold a tile's rows k_ss / v_ss apart, the next tile's rows prefetched into L2 (the

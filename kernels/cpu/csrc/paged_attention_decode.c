@@ -141,15 +141,23 @@
         for (int64_t j = start / BS; j < nblk; ++j) {                                                \
             const T *kb = kc + (int64_t)bt_row[j] * k_sb, *vb = vc + (int64_t)bt_row[j] * v_sb;      \
             const int64_t n = len - j * BS < BS ? len - j * BS : BS;                                 \
-            if (j + 1 < nblk) /* the next block is elsewhere in the pool: fetch it while we work */ \
-                ps_prefetch_block(kc + (int64_t)bt_row[j + 1] * k_sb, vc + (int64_t)bt_row[j + 1] * v_sb, \
-                                  BS, k_ss * (int64_t)sizeof(T), v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T)); \
+            /* the pool ahead, a row of K and V a token (flash_item.h ps_prefetch_row) */            \
+            const int64_t ja = j + PS_DECODE_AHEAD;                                                  \
+            const char *kpf = ja < nblk ? (const char *)(kc + (int64_t)bt_row[ja] * k_sb) : NULL;    \
+            const char *vpf = ja < nblk ? (const char *)(vc + (int64_t)bt_row[ja] * v_sb) : NULL;    \
+            if (j == start / BS)                                                                     \
+                for (int64_t jj = j; jj < nblk && jj < ja; ++jj)                                     \
+                    ps_prefetch_block(kc + (int64_t)bt_row[jj] * k_sb, vc + (int64_t)bt_row[jj] * v_sb, \
+                                      BS, k_ss * (int64_t)sizeof(T), v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T)); \
             for (int64_t t0 = 0; t0 < n; t0 += 16) {                                                 \
                 const int64_t nt = n - t0 < 16 ? n - t0 : 16;                                        \
                 const int64_t skip = start - j * BS - t0; /* tokens before a window start: masked */  \
                 const __mmask16 valid = ps_tile_valid(nt, skip);                                     \
                 if (!valid) continue; /* wholly before the window: no score, no NaN from exp(-inf + inf) */ \
                 for (int64_t t = 0; t < 16; ++t) {                                                   \
+                    if (kpf && t0 + t < BS)                                                          \
+                        ps_prefetch_row(kpf + (t0 + t) * k_ss * (int64_t)sizeof(T),                  \
+                                        vpf + (t0 + t) * v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T)); \
                     if (t < nt) {                                                                    \
                         const T *kr = kb + (t0 + t) * k_ss;                                          \
                         for (int64_t v = 0; v < DV; ++v) kv[v] = LOADV(kr + 16 * v);                 \
@@ -256,15 +264,21 @@ static inline __attribute__((always_inline)) void ps_item_dp_bf16(
     for (int64_t j = start / BS; j < nblk; ++j) {
         const uint16_t *kb = kc + (int64_t)bt_row[j] * k_sb, *vb = vc + (int64_t)bt_row[j] * v_sb;
         const int64_t n = len - j * BS < BS ? len - j * BS : BS;
-        if (j + 1 < nblk)
-            ps_prefetch_block(kc + (int64_t)bt_row[j + 1] * k_sb, vc + (int64_t)bt_row[j + 1] * v_sb, BS,
-                              k_ss * (int64_t)sizeof(uint16_t), v_ss * (int64_t)sizeof(uint16_t), D * (int64_t)sizeof(uint16_t));
+        const int64_t ja = j + PS_DECODE_AHEAD; /* the pool ahead, a row of K and V a token (ps_prefetch_row) */
+        const char *kpf = ja < nblk ? (const char *)(kc + (int64_t)bt_row[ja] * k_sb) : NULL;
+        const char *vpf = ja < nblk ? (const char *)(vc + (int64_t)bt_row[ja] * v_sb) : NULL;
+        const int64_t rb = D * (int64_t)sizeof(uint16_t), kb_ss = k_ss * (int64_t)sizeof(uint16_t),
+                      vb_ss = v_ss * (int64_t)sizeof(uint16_t);
+        if (j == start / BS)
+            for (int64_t jj = j; jj < nblk && jj < ja; ++jj)
+                ps_prefetch_block(kc + (int64_t)bt_row[jj] * k_sb, vc + (int64_t)bt_row[jj] * v_sb, BS, kb_ss, vb_ss, rb);
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
             const int64_t nt = n - t0 < 16 ? n - t0 : 16;
             const int64_t skip = start - j * BS - t0;
             const __mmask16 valid = ps_tile_valid(nt, skip);
             if (!valid) continue;
             for (int64_t t = 0; t < 16; ++t) {
+                if (kpf && t0 + t < BS) ps_prefetch_row(kpf + (t0 + t) * kb_ss, vpf + (t0 + t) * vb_ss, rb);
                 if (t < nt) {
                     const uint16_t *kr = kb + (t0 + t) * k_ss;
                     __m512bh kw[PS_MAX_D / 32];
