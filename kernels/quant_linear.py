@@ -165,7 +165,8 @@ def _check(x: torch.Tensor, qw: QuantizedWeight) -> None:
 def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
                      two_digits: bool = True) -> torch.Tensor:
     """x [M, K] (any float dtype) -> [M, N] in x's dtype. ``two_digits`` False: the C int4 kernel quantizes x to one
-    int8 digit per input (llama.cpp's precision) where it takes two by default (decode steps: with_quantized_linear)."""
+    int8 digit per input (llama.cpp's precision) where it takes two by default (steps without prompt tokens:
+    with_quantized_linear)."""
     _check(x, qw)
     if qw.layout == "int4_vnni":  # packed and checked by int4_from_groups
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
@@ -331,11 +332,12 @@ def with_quantized_linear(ops):
     """The op set with ``linear`` also taking QuantizedWeight (the backend's own linear otherwise),
     and ``pack_weight`` leaving quantized weights as they are: the one forward stays unchanged.
 
-    Its ``decode_ops`` (a step without prompt tokens: decodes, speculative verification) run the C int4 kernel on one
-    int8 digit per input, as llama.cpp's Q8 rows, where a step with prompt tokens keeps two. Why: at 8 rows the kernel is bound by its multiply-adds, and one digit halves them (SmolLM2's
-    linears at batch 8: 6.8 -> 4.3 ms a step on a 2-core AMD EPYC Zen 4; at 1 row 1.78 -> 1.53), while a prompt's
-    first token keeps the precision that answers the README's question as the dense model does (one digit in
-    prefill turned its near-tie, "The" -1.92 / "L" -2.01, into "L'Étoile, ..."; perplexity 25.95 -> 25.97)."""
+    Its ``decode_ops`` (a step without prompt tokens: decodes, speculative verification) run the C int4 kernel on
+    one int8 digit per input, as llama.cpp's Q8 rows, where a step with prompt tokens keeps two. Why: at 8 rows the
+    kernel is bound by its multiply-adds, and one digit halves them (SmolLM2's linears at batch 8: 6.8 -> 4.3 ms a
+    step on a 2-core AMD EPYC Zen 4; at 1 row 1.78 -> 1.53), while a prompt's first token keeps the precision that
+    answers the README's question as the dense model does (one digit in prefill turned its near-tie, "The" -1.92 /
+    "L" -2.01, into "L'Étoile, ..."; one digit in decode moved perplexity 25.95 -> 25.98)."""
     dense_linear, dense_pack = ops.linear, ops.pack_weight
 
     def pack_weight(w):

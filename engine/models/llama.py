@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         cfg, nd = self.config, attn.num_decode_tokens
         T, Hq, Hkv, D = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        ops = self.ops.decode_ops or self.ops if not attn.num_prompt_tokens else self.ops  # see AttentionMetadata
+        ops = (self.ops.decode_ops or self.ops) if not attn.num_prompt_tokens else self.ops  # see AttentionMetadata
         eps = cfg.rms_norm_eps
         x = self._embed(input_ids)  # [T, hidden]
         ropes = self._ropes(positions, x.dtype)  # per layer: (cos, sin) [T, D/2] each

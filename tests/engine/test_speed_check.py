@@ -38,7 +38,8 @@ def test_a_quantized_models_decode_ops_are_tallied(tmp_path, monkeypatch):
     from fixtures.gguf_writer import write_tiny_gguf
 
     monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_tiny_gguf(tmp_path / "tiny.Q4_0.gguf", _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL]), linear_type="Q4_0")
+    source = _builtin_gguf(BUILTIN_MODELS[DEFAULT_MODEL])
+    path = write_tiny_gguf(tmp_path / "tiny.Q4_0.gguf", source, linear_type="Q4_0")
     llm = _llm(path, quantization="gguf")
     runner = llm.engine.runner
     bound = runner.model.ops
