@@ -20,9 +20,7 @@ import torch
 from kernels.cpu.native import cpu_has_amx, cpu_has_bf16_pairs
 
 from .config import EngineConfig
-from .models.gguf_weights import GGUFTensors
-from .models.quantized import gguf_source
-from .models.resolve import names_gguf
+from .models.loader import effective_quantization, quantized_source
 
 AUTO = "auto"
 
@@ -35,10 +33,7 @@ def resolve_dtype(config: EngineConfig, folder: Path, device: torch.device) -> E
 
 
 def _serves_int4_on_bf16_cpu(config: EngineConfig, folder: Path, device: torch.device) -> bool:
-    quantized_gguf = config.quantization == "gguf" or (config.quantization in (None, AUTO) and names_gguf(config.model))
-    if not quantized_gguf or device.type != "cpu" or config.tensor_parallel_size > 1:
+    """The loader's own test (quantized_source; quantized GGUFs load dense on CUDA and across ranks)."""
+    if device.type != "cpu" or config.tensor_parallel_size > 1 or not (cpu_has_bf16_pairs() or cpu_has_amx()):
         return False
-    if not (cpu_has_bf16_pairs() or cpu_has_amx()):
-        return False
-    source = gguf_source(folder)
-    return source is not None and GGUFTensors(source).is_quantized()
+    return quantized_source(folder, effective_quantization(config.quantization, config.model)) is not None

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine.admission import PromptInput, effective_params, tokenize_prompt
+from engine.auto_dtype import resolve_dtype
 from engine.beam_search import BeamSearch
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes
@@ -24,12 +25,11 @@ from engine.kv_events import KVEvents
 from engine.kv_tiers import build_kv_tiers, tier_stats
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.config import ModelConfig, load_model_config
-from engine.models.loader import load_model
+from engine.models.loader import effective_quantization, load_model
 from engine.models.packed_weights import resident_bytes_by_layout
 from engine.models.parallel import SINGLE, TPGroup
 from engine.models.sharding import local_config
-from engine.auto_dtype import resolve_dtype
-from engine.models.resolve import model_fingerprint, names_gguf, resolve_model
+from engine.models.resolve import model_fingerprint, resolve_model
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.retention import RetentionPolicy
@@ -471,15 +471,6 @@ def kv_cache_key(config: EngineConfig) -> tuple[str, ...]:
     """What an fp8 cache adds to every block's extra keys (its KV differs from the model dtype's for the same
     tokens); nothing for "auto", whose keys stay as they were."""
     return () if config.kv_cache_dtype == "auto" else (f"kv_cache_dtype={config.kv_dtype_name}",)
-
-
-def effective_quantization(setting: str | None, model: str) -> str | None:
-    """What the loader is asked for. None / "auto": a quantized GGUF checkpoint (a .gguf file or a
-    builtin name, the default model included) runs quantized, as in vLLM and llama.cpp; an HF
-    folder runs as its weights are (so does the folder a GGUF was converted into, given by path)."""
-    if setting not in (None, "auto"):
-        return setting
-    return None if names_gguf(model) else "folder"
 
 
 def init_tp(config: EngineConfig, workers: TensorParallelWorkers | None, device: torch.device) -> TPGroup:

@@ -15,12 +15,22 @@ from engine.models.rope import has_local_rope, rope_frequencies
 from engine.models.gguf_weights import GGUFTensors, UnsupportedQuantizationError
 from engine.models.hf_quantized import dequantized_state, hf_quantization, quantized_projections
 from engine.models.quantized import QuantizedLinear, gguf_source, quantize_model
+from engine.models.resolve import names_gguf
 from engine.models.sharding import local_config, shard_state
 from kernels.quant_linear import int4_layout_chooser
 
 
 QUANTIZATION_MODES = ("gguf", "none")
 logger = logging.getLogger("prefixserve")
+
+
+def effective_quantization(setting: str | None, model: str) -> str | None:
+    """What the loader is asked for. None / "auto": a quantized GGUF checkpoint (a .gguf file or a
+    builtin name, the default model included) runs quantized, as in vLLM and llama.cpp; an HF
+    folder runs as its weights are (so does the folder a GGUF was converted into, given by path)."""
+    if setting not in (None, "auto"):
+        return setting
+    return None if names_gguf(model) else "folder"
 
 
 def quantized_source(folder: str | Path, quantization: str | None, dispatch=None):
