@@ -156,14 +156,15 @@ def main() -> None:
     name = f"quantized_{shape}" if shape else "quantized"
     results: dict[str, dict] = {}
     # the default (dtype "auto", engine/auto_dtype.py) is one of the first two on every CPU: which one is recorded
-    default_dtype = resolve_dtype(EngineConfig(model=str(gguf) if shape else DEFAULT_MODEL, quantization="gguf"),
-                                  resolve_model(str(gguf) if shape else DEFAULT_MODEL), torch.device("cpu")).dtype
+    model = str(gguf) if shape else DEFAULT_MODEL
+    default_dtype = resolve_dtype(EngineConfig(model=model, quantization="gguf"), resolve_model(model),
+                                  torch.device("cpu")).dtype
     runs = (("prefixserve int4", "gguf", "float32"), ("prefixserve int4, bf16 activations", "gguf", "bfloat16"),
             ("prefixserve dequantized fp32", "none", "float32"))
     ours_ids: list[int] = []
     for run, quantization, dtype in runs:
         # Speculation off: this compares kernels, and llama.cpp runs without its lookup decoding.
-        llm = LLM(model=str(gguf) if shape else DEFAULT_MODEL, quantization=quantization, dtype=dtype,
+        llm = LLM(model=model, quantization=quantization, dtype=dtype,
                   num_kv_blocks=512, speculative_config=None)
         ours_ids = llm.get_tokenizer()(HELD_OUT).input_ids
         accuracy = {"mean_loglik": mean_loglik(llm), "ppl": chunk_ppl(llm, ours_ids)} if not shape else {}

@@ -144,6 +144,21 @@ static inline __attribute__((always_inline)) void ps_prefetch_row(const char *k,
     }
 }
 
+/* Where block j's tokens prefetch their rows ahead: K and V of block j + PS_DECODE_AHEAD (*kpf NULL past the
+ * item's nblk blocks); at the item's first block (j0), its first PS_DECODE_AHEAD blocks are fetched at once.
+ * Strides and sizes in bytes: sb a block, ss a row; row_bytes the row's D elements. */
+static inline __attribute__((always_inline)) void ps_decode_ahead(const char *kc, const char *vc, const int32_t *bt_row,
+                                                                  int64_t j, int64_t j0, int64_t nblk, int64_t BS,
+                                                                  int64_t k_sb, int64_t v_sb, int64_t k_ss, int64_t v_ss,
+                                                                  int64_t row_bytes, const char **kpf, const char **vpf) {
+    const int64_t ja = j + PS_DECODE_AHEAD;
+    *kpf = ja < nblk ? kc + (int64_t)bt_row[ja] * k_sb : NULL;
+    *vpf = ja < nblk ? vc + (int64_t)bt_row[ja] * v_sb : NULL;
+    if (j == j0)
+        for (int64_t jj = j; jj < nblk && jj < ja; ++jj)
+            ps_prefetch_block(kc + (int64_t)bt_row[jj] * k_sb, vc + (int64_t)bt_row[jj] * v_sb, BS, k_ss, v_ss, row_bytes);
+}
+
 /* Where a float32 item reads its K and V rows: gathered at K / V (position rows D apart, zero past the
  * sequence's length), or, for each whole 16-key tile, in place in the paged cache, whose blocks (BS a
  * multiple of 16) hold a tile's rows k_ss / v_ss apart, the next tile's rows prefetched into L2 (the

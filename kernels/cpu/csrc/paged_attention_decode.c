@@ -141,14 +141,10 @@
         for (int64_t j = start / BS; j < nblk; ++j) {                                                \
             const T *kb = kc + (int64_t)bt_row[j] * k_sb, *vb = vc + (int64_t)bt_row[j] * v_sb;      \
             const int64_t n = len - j * BS < BS ? len - j * BS : BS;                                 \
-            /* the pool ahead, a row of K and V a token (flash_item.h ps_prefetch_row) */            \
-            const int64_t ja = j + PS_DECODE_AHEAD;                                                  \
-            const char *kpf = ja < nblk ? (const char *)(kc + (int64_t)bt_row[ja] * k_sb) : NULL;    \
-            const char *vpf = ja < nblk ? (const char *)(vc + (int64_t)bt_row[ja] * v_sb) : NULL;    \
-            if (j == start / BS)                                                                     \
-                for (int64_t jj = j; jj < nblk && jj < ja; ++jj)                                     \
-                    ps_prefetch_block(kc + (int64_t)bt_row[jj] * k_sb, vc + (int64_t)bt_row[jj] * v_sb, \
-                                      BS, k_ss * (int64_t)sizeof(T), v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T)); \
+            const char *kpf, *vpf; /* the pool ahead, a row of K and V a token (flash_item.h) */       \
+            ps_decode_ahead((const char *)kc, (const char *)vc, bt_row, j, start / BS, nblk, BS,     \
+                            k_sb * (int64_t)sizeof(T), v_sb * (int64_t)sizeof(T), k_ss * (int64_t)sizeof(T), \
+                            v_ss * (int64_t)sizeof(T), D * (int64_t)sizeof(T), &kpf, &vpf);         \
             for (int64_t t0 = 0; t0 < n; t0 += 16) {                                                 \
                 const int64_t nt = n - t0 < 16 ? n - t0 : 16;                                        \
                 const int64_t skip = start - j * BS - t0; /* tokens before a window start: masked */  \
@@ -264,14 +260,11 @@ static inline __attribute__((always_inline)) void ps_item_dp_bf16(
     for (int64_t j = start / BS; j < nblk; ++j) {
         const uint16_t *kb = kc + (int64_t)bt_row[j] * k_sb, *vb = vc + (int64_t)bt_row[j] * v_sb;
         const int64_t n = len - j * BS < BS ? len - j * BS : BS;
-        const int64_t ja = j + PS_DECODE_AHEAD; /* the pool ahead, a row of K and V a token (ps_prefetch_row) */
-        const char *kpf = ja < nblk ? (const char *)(kc + (int64_t)bt_row[ja] * k_sb) : NULL;
-        const char *vpf = ja < nblk ? (const char *)(vc + (int64_t)bt_row[ja] * v_sb) : NULL;
         const int64_t rb = D * (int64_t)sizeof(uint16_t), kb_ss = k_ss * (int64_t)sizeof(uint16_t),
                       vb_ss = v_ss * (int64_t)sizeof(uint16_t);
-        if (j == start / BS)
-            for (int64_t jj = j; jj < nblk && jj < ja; ++jj)
-                ps_prefetch_block(kc + (int64_t)bt_row[jj] * k_sb, vc + (int64_t)bt_row[jj] * v_sb, BS, kb_ss, vb_ss, rb);
+        const char *kpf, *vpf; /* the pool ahead, a row of K and V a token (flash_item.h) */
+        ps_decode_ahead((const char *)kc, (const char *)vc, bt_row, j, start / BS, nblk, BS, k_sb * (int64_t)sizeof(uint16_t),
+                        v_sb * (int64_t)sizeof(uint16_t), kb_ss, vb_ss, rb, &kpf, &vpf);
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
             const int64_t nt = n - t0 < 16 ? n - t0 : 16;
             const int64_t skip = start - j * BS - t0;
