@@ -24,6 +24,12 @@
  * bfloat16); elsewhere the *_available functions say 0 and the launcher keeps the row kernel. */
 #define PS_LANES 32
 #define PS_LANES_MB 8
+/* float32 blocks of more than one row prefetch their own stream 32 k rows (4 KiB) ahead. One row keeps
+ * up with memory on the hardware prefetcher alone; at 4-8 rows the FMAs between loads slowed the stream
+ * to ~13 GB/s of 21. SmolLM2's 30 layers, weights streamed (2-core Intel Xeon f6m207 VM, three
+ * interleaved rounds, benchmarks/packed_linear.py): 4 rows 28.6-33.3 -> 22.2-25.3 ms, 8 rows 36.3-41.1
+ * -> 25.0-29.4, one row unchanged (19.7-23.3 / 22.8-23.7); distances 16-128 alike within noise. */
+#define PS_LANES_PF_F32 32
 
 /* An entry point: x [M, K] (row stride ldx), the lanes layout, bias [N] or NULL, out [M, N] (row
  * stride ldo); blocks of 32 columns over the threads, inputs in chunks of 8 (KSTORED: the k rows a block
@@ -76,6 +82,10 @@ static inline __attribute__((always_inline)) void ps_lanes_block_f32(const float
     __m512 a0[PS_LANES_MB], a1[PS_LANES_MB];
     for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
+        if (MB > 1) {
+            _mm_prefetch((const char *)(wb + (k + PS_LANES_PF_F32) * PS_LANES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + (k + PS_LANES_PF_F32) * PS_LANES + 16), _MM_HINT_T0);
+        }
         const __m512 v0 = _mm512_loadu_ps(wb + k * PS_LANES), v1 = _mm512_loadu_ps(wb + k * PS_LANES + 16);
         for (int m = 0; m < MB; ++m) {
             const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
