@@ -164,6 +164,16 @@ def has_amx_linear(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and native is not None and native.amx_bf16 is not None
 
 
+def lanes_launchers(dtype: torch.dtype):
+    """(linear, linear_silu_mul): the checked launchers of the kernel that reads a ``dtype`` weight's lanes
+    layout here: AMX tiles where :func:`has_amx_linear` (csrc/amx_linear.c), else csrc/lanes_linear.c. The
+    one place this is decided; the bound ops (ops.py) ask has_amx_linear too and take the same kernel's C
+    entry points."""
+    if has_amx_linear(dtype):
+        return amx_linear, amx_linear_silu_mul
+    return lanes_linear, lanes_linear_silu_mul
+
+
 def c_kernel_rows(dtype: torch.dtype) -> int:
     """How many rows (1..n) of a ``dtype`` linear the C kernel takes over oneDNN's packed weight on this
     CPU: 0 for none, EVERY_ROW for every row count.

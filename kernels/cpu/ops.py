@@ -37,9 +37,8 @@ from . import onednn_linear
 from .native import NativeKernels, native_kernels
 from ..copy_blocks import copy_blocks_torch
 from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
-from .linear import (EVERY_ROW, CpuLinearWeight, amx_linear, amx_linear_silu_mul, c_kernel_rows, covers, has_amx_linear,
-                     has_lanes, lanes_linear, lanes_linear_silu_mul, linear_covered, pack_lanes, pack_lanes_gated,
-                     row_reader, rows_covered, unpack_weight)
+from .linear import (EVERY_ROW, CpuLinearWeight, c_kernel_rows, covers, has_amx_linear, has_lanes, lanes_launchers,
+                     linear_covered, pack_lanes, pack_lanes_gated, row_reader, rows_covered, unpack_weight)
 from ..interface import KernelOps
 from ..quant_linear import with_logits_kernels
 from .paged_attention import call_decode, paged_attention_decode_cpu, paged_attention_prefill_cpu
@@ -131,8 +130,7 @@ def pack_gate_up(weight):
 def _checked_linear_silu_mul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if type(weight) is CpuLinearWeight and weight.gated:
         if x.dim() == 2 and x.shape[0] <= weight.small_rows:  # the bound ops' kernel: AMX tiles where built
-            fused = amx_linear_silu_mul if has_amx_linear(x.dtype) else lanes_linear_silu_mul
-            return fused(x, weight, bias)
+            return lanes_launchers(x.dtype)[1](x, weight, bias)
         weight = weight.packed
     return silu_mul_cpu(_checked_linear(x, weight, bias))
 
@@ -144,7 +142,7 @@ def _checked_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -
         if x.dim() == 2 and x.shape[0] <= weight.small_rows:
             if not weight.lanes:
                 return linear_covered(x, weight.small, bias)
-            return (amx_linear if has_amx_linear(x.dtype) else lanes_linear)(x, weight, bias)
+            return lanes_launchers(x.dtype)[0](x, weight, bias)
         weight = weight.packed
     if type(weight) is WidenedWeight:
         return widened_linear(x, weight, bias)
@@ -181,7 +179,7 @@ class _BoundCpuOps:
         # The lanes layout's kernel: AMX tiles where the CPU has them for bfloat16 (csrc/amx_linear.c), else
         # lanes_linear.c's FMAs / vdpbf16ps. Both read the same layout; which is faster than oneDNN, and for
         # which rows, the bound ops measure (choices.linear_small_rows).
-        self.amx = dtype == torch.bfloat16 and native.amx_bf16 is not None
+        self.amx = has_amx_linear(dtype)
         self.lanes_linear = native.amx_bf16 if self.amx else native.lanes_for(dtype)
         self.linear_rows = rows_covered(native, dtype)
         use_onednn = dtype == torch.float32 and onednn_linear.onednn_linear_available()
