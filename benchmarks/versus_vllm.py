@@ -18,11 +18,16 @@ Prints one summary line; JSON + PNG under benchmarks/results/.
 prefixserve runs as users get it (speculative decoding on, by default on the CPU: on random-token prompts
 greedy text repeats and drafts are accepted, so single_stream_decode measures decoding less, not kernels);
 --speculative-config off compares the kernels and the scheduling alone.
+
+--rounds N alternates the engines N times per dtype (vLLM, ours, vLLM, ours, ...) and takes each side's
+median per workload: on VMs whose speed drifts for minutes, one block per engine can put the two sides in
+different phases.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -49,16 +54,32 @@ def floors(model_path: str, floor_name: str = "floor") -> dict:
             for d in ("float32", "bfloat16")}
 
 
+def median_of_rounds(runs: list[dict]) -> dict:
+    """One engine's runs of the same jobs (alternating rounds) as one run: each job's median seconds, its
+    rounds' seconds in ``rounds_s``, the last round's tokens."""
+    if len(runs) == 1:
+        return runs[0]
+    jobs = {}
+    for name, last in runs[-1]["jobs"].items():
+        seconds = [run["jobs"][name]["seconds"] for run in runs]
+        jobs[name] = {**last, "seconds": statistics.median(seconds), "rounds_s": seconds}
+    return {**runs[-1], "jobs": jobs}
+
+
 def compare(ours: dict, vllm: dict | None, floor: dict) -> dict:
     rows = {}
     for name, mine in ours["jobs"].items():
         row = {"prefixserve_s": mine["seconds"], "floor_s": floor.get(name)}
+        if "rounds_s" in mine:
+            row["prefixserve_rounds_s"] = mine["rounds_s"]
         if row["floor_s"]:
             row["prefixserve_x_floor"] = mine["seconds"] / row["floor_s"]
         if vllm is not None and name in vllm["jobs"]:
             theirs = vllm["jobs"][name]
             row |= {"vllm_s": theirs["seconds"], "speedup_vs_vllm": theirs["seconds"] / mine["seconds"],
                     "target": TARGETS[name]}
+            if "rounds_s" in theirs:
+                row["vllm_rounds_s"] = theirs["rounds_s"]
             if row["floor_s"]:
                 row["vllm_x_floor"] = theirs["seconds"] / row["floor_s"]
             if name in GREEDY:
@@ -93,6 +114,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--beam-repeats", type=int, default=3)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the engines this many times per dtype "
+                                                          "(each side's median per workload)")
     ap.add_argument("--speculative-config", default="auto",
                     help="prefixserve's, as its CLI takes it (default auto: the product's default, suffix decoding on "
                          "the CPU; 'off' compares kernels and scheduling alone: vLLM runs without speculation)")
@@ -102,6 +125,8 @@ def main() -> None:
     ap.add_argument("--refloor", action="store_true",
                     help="recompute the floor columns of results/<name>.json from the current floor.json, run nothing")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     from benchmarks.shapes import SHAPES, model_path
 
     suffix = f"_{args.model}" if args.model in SHAPES else ""
@@ -118,8 +143,13 @@ def main() -> None:
     floor = floors(path, args.floor)
     results = {}
     for dtype in args.dtypes:
-        vllm = None if args.skip_vllm else run_vllm(path, dtype, jobs)
-        ours = run_ours(path, dtype, jobs, {"speculative_config": args.speculative_config})
+        vllm_runs, our_runs = [], []
+        for _ in range(args.rounds):
+            if not args.skip_vllm:
+                vllm_runs.append(run_vllm(path, dtype, jobs))
+            our_runs.append(run_ours(path, dtype, jobs, {"speculative_config": args.speculative_config}))
+        vllm = median_of_rounds(vllm_runs) if vllm_runs else None
+        ours = median_of_rounds(our_runs)
         results[dtype] = {"rows": compare(ours, vllm, floor.get(dtype, {})), "prefixserve_startup_s": ours["startup_s"],
                           "prefixserve_speculative_config": args.speculative_config,
                           "vllm_startup_s": vllm and vllm["startup_s"], "vllm_version": vllm and vllm["vllm_version"]}
@@ -127,6 +157,7 @@ def main() -> None:
         for row in rows.values():
             row.pop("token_ids", None)
     write_json(args.name, {"model": args.model, "workloads": [j["name"] for j in jobs], "targets": TARGETS,
+                           "rounds": args.rounds,
                            "results": results})
     names = [j["name"] for j in jobs]
     if not args.skip_vllm:
