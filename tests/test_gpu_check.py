@@ -21,7 +21,7 @@ def dry_run(tmp_path_factory):
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("TRITON_INTERPRET", None)  # the check sets it for its own steps
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "check.sh"), str(out), "--dry-run"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=900)
     return proc, out
 
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 # 43 s, where no kernels step had compiled them first), 108 and 17 s; the 1B step's six decode modes and fp8 pass
 # need ~125 s with the kernels compiled.
 STEPS = (("env", 25), ("kernels", 110), ("parity", 85), ("llama-1b", 140), ("llama-8b", 150), ("serve", 30))
-DRY_RUN_LIMIT_S = 120  # per step, on a 2-core CPU
+DRY_RUN_LIMIT_S = 240  # per step, on 2 CPU cores (llama-1b passed 120 s under make test on a slow Xeon VM)
 DRY_RUN_SKIPS = ("llama-8b",)  # on the CPU both shapes are the same tiny model: llama-1b covers the code
 
 
