@@ -24,12 +24,22 @@
  * bfloat16); elsewhere the *_available functions say 0 and the launcher keeps the row kernel. */
 #define PS_LANES 32
 #define PS_LANES_MB 8
-/* float32 blocks of more than one row prefetch their own stream 32 k rows (4 KiB) ahead. One row keeps
- * up with memory on the hardware prefetcher alone; at 4-8 rows the FMAs between loads slowed the stream
- * to ~13 GB/s of 21. SmolLM2's 30 layers, weights streamed (2-core Intel Xeon f6m207 VM, three
- * interleaved rounds, benchmarks/packed_linear.py): 4 rows 28.6-33.3 -> 22.2-25.3 ms, 8 rows 36.3-41.1
- * -> 25.0-29.4, one row unchanged (19.7-23.3 / 22.8-23.7); distances 16-128 alike within noise. */
+/* Blocks of more than one row prefetch their own stream 4 KiB ahead (32 k rows in float32, 32 k pairs in
+ * bfloat16). One row keeps up with memory on the hardware prefetcher alone; at 4-16 rows the multiply-adds
+ * between loads slowed the stream (to ~13 GB/s of 21 on the Xeon). SmolLM2's 30 layers, weights streamed,
+ * benchmarks/packed_linear.py in interleaved processes: 2-core Intel Xeon f6m207 VM, float32, 4 rows
+ * 28.6-33.3 -> 22.2-25.3 ms, 8 rows 36.3-41.1 -> 25.0-29.4, distances 16-128 alike within noise; 2-core
+ * AMD Zen 5 VM (results/amd-zen5-avx512bf16/ab_lanes_prefetch.json; times moved 1.4x between processes,
+ * so m rows' time / one row's in the same process, medians): float32 8 / 16 rows 1.30 / 1.39 -> 0.91 / 1.28;
+ * bfloat16 (8 rounds) 4 / 8 / 16 rows 1.11 / 1.28 / 1.72 -> 1.01 / 1.05 / 1.33 (16 pairs ahead 1.06 / 1.17 /
+ * 1.72, 64 like 32); the engine's bfloat16 n=8 0.756 -> 0.728 s, beam 4 0.447 -> 0.405 s (medians of 4
+ * alternating rounds). One row takes none. (#ifndef: an A/B build may set a distance; 0 turns it off.) */
+#ifndef PS_LANES_PF_F32
 #define PS_LANES_PF_F32 32
+#endif
+#ifndef PS_LANES_PF_BF16
+#define PS_LANES_PF_BF16 32
+#endif
 
 /* An entry point: x [M, K] (row stride ldx), the lanes layout, bias [N] or NULL, out [M, N] (row
  * stride ldo); blocks of 32 columns over the threads, inputs in chunks of 8 (KSTORED: the k rows a block
@@ -82,7 +92,7 @@ static inline __attribute__((always_inline)) void ps_lanes_block_f32(const float
     __m512 a0[PS_LANES_MB], a1[PS_LANES_MB];
     for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
-        if (MB > 1) {
+        if (MB > 1 && PS_LANES_PF_F32) {
             _mm_prefetch((const char *)(wb + (k + PS_LANES_PF_F32) * PS_LANES), _MM_HINT_T0);
             _mm_prefetch((const char *)(wb + (k + PS_LANES_PF_F32) * PS_LANES + 16), _MM_HINT_T0);
         }
@@ -138,6 +148,10 @@ static inline __attribute__((always_inline)) void ps_lanes_block_bf16(const uint
     for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
     const int64_t pairs = K / 2; /* whole pairs; an odd K's last one after the loop */
     for (int64_t j = 0; j < pairs; ++j) {
+        if (MB > 1 && PS_LANES_PF_BF16) {
+            _mm_prefetch((const char *)(wb + (j + PS_LANES_PF_BF16) * 2 * PS_LANES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + (j + PS_LANES_PF_BF16) * 2 * PS_LANES + PS_LANES), _MM_HINT_T0);
+        }
         const __m512bh v0 = (__m512bh)_mm512_loadu_si512(wb + j * 2 * PS_LANES);
         const __m512bh v1 = (__m512bh)_mm512_loadu_si512(wb + j * 2 * PS_LANES + PS_LANES);
         for (int m = 0; m < MB; ++m) {
