@@ -24,20 +24,6 @@
 #define PS_FLASH_AMX_H
 #include "amx_tiles.h"
 
-/* 2^t in float32 to about 1e-4 relative (a degree-3 minimax polynomial on [-1/2, 1/2]): the item's
- * probabilities round to bfloat16 (2^-9) before P.V, so ps_exp16's degree 6 bought nothing there, and the
- * exp was the item's largest cost (per 32 keys x 32 rows on the 2-core Xeon: 2,736 cycles, 1,788 without
- * it). t = -inf (a masked key) gives 2^-125, no denormal (those take microcode assists). */
-static inline __m512 ps_exp2_bf16(__m512 t) {
-    t = _mm512_max_ps(t, _mm512_set1_ps(-125.0f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05500893f), f, _mm512_set1_ps(0.24221098f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69328293f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* Whether the AMX item takes a call with head_dim D (4 d blocks of 16 per O^T pass, pairs of 32 d per
  * S^T multiply). */
 static inline int ps_amx_takes(int64_t D) { return D % 64 == 0 && D <= PS_PF_MAX_D; }
