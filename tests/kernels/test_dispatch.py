@@ -113,6 +113,32 @@ def test_timings_that_shrink_with_more_rows_are_used_but_not_cached(tmp_path, ca
     assert again.how == "measured"  # nothing was cached
 
 
+
+def test_more_rows_far_slower_per_row_is_implausible_and_measured_once_more(tmp_path, caplog):
+    """A Zen 5 running two test workers timed int4_vnni at 5.47 ms for 512 rows after 0.18 ms for 64 (1.77 ms
+    alone): the op bound it for every row count at 2x the other layout's time there. Such timings are measured
+    once more, and the second, plausible, is bound and cached."""
+    import kernels.cpu.dispatch as dispatch
+    from kernels.cpu.dispatch import implausible
+
+    seen = {"int4_vnni": {"1": 0.0203, "8": 0.0326, "64": 0.176, "512": 5.467},
+            "int4": {"1": 0.0228, "8": 0.055, "64": 0.337, "512": 2.663}}
+    assert implausible(seen).startswith("int4_vnni: rows 512 5.47 ms > 2 x rows ")
+    alone = {"int4_vnni": {"1": 0.0221, "8": 0.039, "64": 0.208, "512": 1.767},
+             "int4": {"1": 0.0282, "8": 0.058, "64": 0.355, "512": 2.713}}
+    assert implausible(alone) is None
+    assert implausible({"a": {"64": 0.2, "512": 2.0}}) is None  # 1.25x per row: within the slack
+    timings = iter([seen, alone])
+    d = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: False)
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.WARNING, logger="prefixserve"):
+        mp.setattr(d, "_measure", lambda *a, **k: dispatch.Choice("op", "k", ((dispatch.EVERY, "int4_vnni"),),
+                                                                   times_ms=next(timings)))
+        bound = d.choose("op", "k", ["int4_vnni", "int4"], setup_one(), (1, 8, 64, 512))
+    assert bound.times_ms is alone and bound.slowdown() <= 1.5 and not caplog.text
+    again = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: False).choose(
+        "op", "k", ["int4_vnni", "int4"], lambda: pytest.fail("measured a cached choice"), (1, 8, 64, 512))
+    assert again.how == "cached" and again.times_ms == alone
+
 def setup_one():
     return lambda: ({"fast": lambda x: x}, lambda m: torch.ones(m, 4), lambda x: x)
 
