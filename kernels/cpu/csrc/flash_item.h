@@ -597,7 +597,8 @@ static inline __attribute__((always_inline)) void ps_pv_tile_dp(__m512 ot[][PS_P
  * gathered V holds position pairs (ps_gather_vpairs: v[t][d] and v[t+1][d] in one word). Scores,
  * the softmax and the output sums stay float32; the probabilities round to bfloat16 before P.V (as
  * FlashAttention does on GPUs), so a result may differ from the float32 math by up to 2^-9 of the
- * largest |V| (tests/kernels/test_paged_attention_cpu.py). The scale is folded into the exp. */
+ * largest |V| (tests/kernels/test_paged_attention_cpu.py). The scale (and log2 e) is folded into the exp,
+ * which runs in base 2 (ps_exp2_bf16); the running max moves by PS_PF_SLACK's rule. */
 static inline __attribute__((always_inline)) void ps_prefill_item_dp16(
     const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
     const int64_t o_sh, const uint16_t *restrict K, const uint32_t *restrict V, const ps_kv_pairs shared,
