@@ -133,16 +133,20 @@ class Dispatcher:
                 candidates, make_input, reference = setup()
                 eligible = {n: candidates[n] for n in names if n in candidates}
                 choice = self._measure(op, key, eligible, make_input, rows, reference, tol, mode)
-                if not self.is_busy() and implausible(choice.times_ms):  # a moment's interference: once more
+                busy = self.is_busy()
+                odd = None if busy else implausible(choice.times_ms)
+                if odd:  # a moment's interference: once more
                     choice = self._measure(op, key, eligible, make_input, rows, reference, tol, mode)
-                if self.is_busy():
+                    busy = self.is_busy()
+                    odd = None if busy else implausible(choice.times_ms)
+                if busy:
                     logger.warning("%s %s measured while the CPUs were oversubscribed (load %.1f on %d): used "
                                    "for this process only, measured again at the next start", op, key,
                                    os.getloadavg()[0], os.cpu_count() or 1)
-                elif implausible(choice.times_ms):
+                elif odd:
                     logger.warning("%s %s: timings more work cannot explain, twice (%s; fewer rows slower than "
                                    "more, or more rows far slower per row): measured under interference the load "
-                                   "average missed; used for this process only", op, key, implausible(choice.times_ms))
+                                   "average missed; used for this process only", op, key, odd)
                 else:
                     self._store(choice, names)
         self.choices[full_key] = choice

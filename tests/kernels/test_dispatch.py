@@ -113,7 +113,6 @@ def test_timings_that_shrink_with_more_rows_are_used_but_not_cached(tmp_path, ca
     assert again.how == "measured"  # nothing was cached
 
 
-
 def test_more_rows_far_slower_per_row_is_implausible_and_measured_once_more(tmp_path, caplog):
     """A Zen 5 running two test workers timed int4_vnni at 5.47 ms for 512 rows after 0.18 ms for 64 (1.77 ms
     alone): the op bound it for every row count at 2x the other layout's time there. Such timings are measured
@@ -138,6 +137,7 @@ def test_more_rows_far_slower_per_row_is_implausible_and_measured_once_more(tmp_
     again = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: False).choose(
         "op", "k", ["int4_vnni", "int4"], lambda: pytest.fail("measured a cached choice"), (1, 8, 64, 512))
     assert again.how == "cached" and again.times_ms == alone
+
 
 def setup_one():
     return lambda: ({"fast": lambda x: x}, lambda m: torch.ones(m, 4), lambda x: x)

@@ -256,12 +256,11 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx(
 }
 
 /* head_dim 64: an item of 16 rows whose output O^T stays in tiles 0-3 for all its keys. The running
- * max a row's exps subtract moves only when a step's max passes it by more than PS_AMX_SLACK (in
- * base 2): the probabilities then stay below 2^PS_AMX_SLACK, and the tiles are rescaled (stored,
+ * max a row's exps subtract moves only when a step's max passes it by more than PS_PF_SLACK (in
+ * base 2): the probabilities then stay below 2^PS_PF_SLACK, and the tiles are rescaled (stored,
  * multiplied, loaded) only on those steps, the first few. ps_prefill_item_amx instead adds each
  * step's O^T into float32 vectors (alpha ot + C), 64 loads and FMAs a row block per step. Tiles: 0-3
  * O^T, 4-5 S^T of the step's key halves, 6 A (K or V^T), 7 B (Q or P^T pairs). */
-#define PS_AMX_SLACK 8.0f
 static inline __attribute__((always_inline)) void ps_prefill_item_amx64(
     const uint16_t *restrict q, const int64_t q_st, const int64_t q_sh, uint16_t *restrict out, const int64_t o_st,
     const int64_t o_sh, const ps_krows K, const int64_t kreal, const uint16_t *restrict VT, const int64_t lp,
@@ -309,7 +308,7 @@ static inline __attribute__((always_inline)) void ps_prefill_item_amx64(
         __m512 s[PS_AMX_KEYS];
         ps_amx_scores(sb, s, k0, kend, pos, k0 + PS_AMX_KEYS - 1 > first_pos || k0 + PS_AMX_KEYS > kend);
         const __m512 mt = _mm512_mul_ps(ps_amx_reduce(s, 0), vscale);
-        if (_mm512_cmp_ps_mask(mt, _mm512_add_ps(m, _mm512_set1_ps(PS_AMX_SLACK)), _CMP_GT_OQ)) {
+        if (_mm512_cmp_ps_mask(mt, _mm512_add_ps(m, _mm512_set1_ps(PS_PF_SLACK)), _CMP_GT_OQ)) {
             const __m512 mnew = _mm512_max_ps(m, mt); /* finite: key 0 is in every first step */
             const __m512 alpha = ps_exp2_bf16(_mm512_sub_ps(m, mnew));
             if (k0) { /* the tiles hold the earlier steps' O^T: rescale them */

@@ -13,6 +13,11 @@
 #define PS_PF_ROWS (16 * PS_PF_NV)
 #define PS_PF_KH 8 /* keys per Q.K pass: NV x 8 accumulators, NV query vectors and a broadcast in registers */
 #define PS_PF_DB 8 /* head_dim columns per P.V pass: NV x 8 independent FMA chains hide the FMA latency */
+/* Every item's running max moves only when a tile's max passes it by more than this (in base 2; 8 ln 2 in the
+ * float32 items' natural units), so its probabilities stay below 2^PS_PF_SLACK and the rescale of its output is
+ * skipped on the tiles that do not move it: after the first few, nearly all. */
+#define PS_PF_SLACK 8.0f
+#define PS_PF_SLACK_E (PS_PF_SLACK * 0.693147180559945309f)
 
 typedef float ps_v16 __attribute__((vector_size(64)));
 typedef int32_t ps_m16 __attribute__((vector_size(64)));
@@ -337,13 +342,6 @@ static inline __attribute__((always_inline)) void ps_prefill_item(
 #undef PS_ITEM_V8
 }
 #else
-/* The float32 item's running max moves only when a tile's max passes it by more than this (8 ln 2, the bfloat16
- * items' 2^8), so its output's rescale is skipped on the tiles that do not move it (the exps stay degree 6:
- * float32 keeps float32's accuracy). Per layer, 2-core AMD EPYC Zen 5, medians of 3 alternating rounds
- * (results/amd-zen5-avx512bf16/ab_flash_f32_lazy_max.json): prefill 1x2048 11.98 -> 11.14 ms, 64 after 1,024
- * cached 0.424 -> 0.403, 5 x 410 2.68 -> 2.55; decode over shared prefixes unchanged. */
-#define PS_PF_SLACK_E 5.545177444479562f
-
 /* A tile's P.V into a float32 item's output: ot[d][j] = alpha[j] ot[d][j] + sum_t p[j][t] V[t][d] (RESCALE 0:
  * alpha is 1 for every row, the multiply skipped), PS_PF_DB columns at a time. */
 static inline __attribute__((always_inline)) void ps_pv_tile(ps_v16 ot[][PS_PF_NV], const ps_v16 *alpha,
@@ -426,6 +424,10 @@ static inline __attribute__((always_inline)) void ps_prefill_item16(
                     s[j][t] = ps_v16_select(ps_v16_set1((float)(k0 + t)) <= pos[j], s[j][t], ps_v16_set1(-INFINITY));
             ps_v16 mt = s[j][0];
             for (int t = 1; t < 16; ++t) mt = ps_v16_max(mt, s[j][t]);
+            /* PS_PF_SLACK's rule (the exps stay degree 6: float32's accuracy). Per layer, 2-core AMD EPYC Zen 5,
+             * medians of 3 alternating rounds (results/amd-zen5-avx512bf16/ab_flash_f32_lazy_max.json): prefill
+             * 1x2048 11.98 -> 11.14 ms, 64 after 1,024 cached 0.424 -> 0.403, 5 x 410 2.68 -> 2.55; decode over
+             * shared prefixes unchanged. */
             const ps_m16 grows = mt > m[j] + PS_PF_SLACK_E;
             int any = 0;
             for (int l = 0; l < 16; ++l) any |= grows[l];
@@ -502,13 +504,6 @@ static inline __m512 ps_exp2_bf16(__m512 t) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* A bfloat16 item's running max moves only when a tile's max passes it by more than this (in base 2), so
- * its probabilities stay below 2^PS_PF_SLACK and the rescale of the item's output (alpha) is skipped on the
- * tiles that do not move it: after the first few, nearly all. With the exps in base 2 by ps_exp2_bf16, per
- * layer on the 2-core AMD EPYC Zen 5 (results/amd-zen5-avx512bf16/ab_flash_dp_exp2.json, medians of 4
- * alternating rounds): prefill 1x2048 7.17 -> 6.32 ms, 16 x 64 after a shared 1,024 3.86 -> 3.32, 5 x 410
- * 1.84 -> 1.56; decode over 4 shared prompts x 16 0.40 -> 0.37. */
-#define PS_PF_SLACK 8.0f
 /* Rows r0j .. r0j+15 of a bfloat16 item (past nrows: the last real row again): each row's query as d pairs,
  * col[i * stride] lane l = q[row l][2i] | q[row l][2i+1] << 16, its output offset row_o16[l] and its position. */
 static inline __attribute__((always_inline)) __m512 ps_pf_rows16(const uint16_t *restrict q, const int64_t q_st,
@@ -690,6 +685,10 @@ static inline __attribute__((always_inline)) void ps_prefill_item_dp16(
             for (int t = 1; t < 16; ++t) mt = _mm512_max_ps(mt, s[j][t]);
             mt = _mm512_mul_ps(mt, vscale); /* m: scaled scores, base 2 */
             alpha[j] = _mm512_set1_ps(1.0f);
+            /* PS_PF_SLACK's rule, the exps in base 2 by ps_exp2_bf16. Per layer on the 2-core AMD EPYC Zen 5
+             * (results/amd-zen5-avx512bf16/ab_flash_dp_exp2.json, medians of 4 alternating rounds): prefill
+             * 1x2048 7.17 -> 6.32 ms, 16 x 64 after a shared 1,024 3.86 -> 3.32, 5 x 410 1.84 -> 1.56; decode
+             * over 4 shared prompts x 16 0.40 -> 0.37. */
             if (_mm512_cmp_ps_mask(mt, _mm512_add_ps(m[j], _mm512_set1_ps(PS_PF_SLACK)), _CMP_GT_OQ)) {
                 const __m512 mnew = _mm512_max_ps(m[j], mt); /* finite: key 0 is in every first tile */
                 alpha[j] = ps_exp2_bf16(_mm512_sub_ps(m[j], mnew));
