@@ -214,7 +214,7 @@ HEAD_COPY_GAIN = 1.5
 
 def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
     """An int8 LM head with the kernel of its logits measured here per row count (kernels/cpu/choices.py)
-    among torch's int8 kernel ("int8pack"), the C int4 kernel's tiles with 8-bit weights on AVX512-VNNI
+    among torch's int8 kernel ("int8pack"), the C int4 kernel's tiles with 8-bit weights on AVX512-VNNI or AVX2
     ("int8_vnni", a second copy at the int8 bytes, kept only where chosen), oneDNN's int8 matmul where the CPU has an int8 dot product
     ("onednn_int8"; measured once at 670 ms a call where oneDNN ran its reference kernel, against 26 ms for
     int8pack) and the table in bfloat16 through oneDNN ("bf16", a second copy at twice the int8 bytes, kept

@@ -103,10 +103,10 @@ def call_decode(fn, args: tuple, scratch: Scratch, nb: int) -> None:
     """The C decode entry with `scratch` for its shared-prefix work, grown and called again when the
     kernel asks for more (it computes nothing then)."""
     need = ctypes.c_int64(0)
-    bad = fn(*args, scratch.data_ptr(), scratch.floats, ctypes.byref(need))
+    bad = fn(*args, scratch.data_ptr(), scratch.floats, ctypes.addressof(need))
     if bad == 3:
         buf = scratch.take(need.value)
-        bad = fn(*args, buf.data_ptr(), buf.numel(), ctypes.byref(need))
+        bad = fn(*args, buf.data_ptr(), buf.numel(), ctypes.addressof(need))
     if bad == 2:
         raise MemoryError(f"{_OP}: no memory to plan the shared-prefix work")
     if bad:  # the kernel checks every block id it would read before reading any

@@ -243,3 +243,29 @@ def test_a_second_copy_is_kept_where_it_pays_and_then_used_wherever_fastest():
     assert worth_their_memory(two, {"bf16": 1.5, "int8_vnni": 1.5}) == ((EVERY, "int8_vnni"),)
     amx = Choice("lm_head", "k", ((EVERY, "bf16"),), {**times, "bf16": {"1": 0.9, "8": 1.0, "64": 2.0}})
     assert worth_their_memory(amx, {"int8_vnni": 1.5, "bf16": 1.5}) == ((EVERY, "bf16"),)
+
+
+def test_a_per_row_step_measured_twice_alike_is_kept(tmp_path, caplog):
+    """More rows far slower per row, twice within 1.5x: a candidate of two kernels (the bfloat16 LM head on an
+    AVX2-only Zen 3: the row kernel at 4 rows, a GEMM on the table widened per call at 32), bound and cached.
+    Fewer rows slower than more stays interference however often it is seen."""
+    import kernels.cpu.dispatch as dispatch
+    from kernels.cpu.dispatch import implausible, reproduced_per_row_step
+
+    first = {"bf16": {"1": 1.4, "4": 4.98, "32": 91.4}, "int8_vnni": {"1": 2.1, "4": 2.6, "32": 9.0}}
+    second = {"bf16": {"1": 1.5, "4": 5.2, "32": 88.0}, "int8_vnni": {"1": 2.0, "4": 2.7, "32": 9.3}}
+    assert implausible(first).startswith("bf16: rows 32 91.4 ms > 2 x rows ")
+    assert reproduced_per_row_step(first, second)
+    assert not reproduced_per_row_step(first, {**second, "bf16": {"1": 1.5, "4": 5.2, "32": 150.0}})  # not alike
+    shrinking = {"a": {"1": 5.0, "64": 0.3}}
+    assert not reproduced_per_row_step(shrinking, shrinking)
+    timings = iter([first, second])
+    d = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: False)
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.WARNING, logger="prefixserve"):
+        mp.setattr(d, "_measure", lambda *a, **k: dispatch.Choice("op", "k", ((dispatch.EVERY, "int8_vnni"),),
+                                                                   times_ms=next(timings)))
+        bound = d.choose("op", "k", ["bf16", "int8_vnni"], setup_one(), (1, 4, 32))
+    assert bound.times_ms is second and not caplog.text
+    again = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: False).choose(
+        "op", "k", ["bf16", "int8_vnni"], lambda: pytest.fail("measured a cached choice"), (1, 4, 32))
+    assert again.how == "cached" and again.times_ms == second

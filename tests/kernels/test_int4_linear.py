@@ -147,7 +147,7 @@ def test_quantized_weights_take_the_kernel_where_it_applies(monkeypatch):
     torch.testing.assert_close(quantized_linear(x, torch_packed), dense, atol=0.02 * scale, rtol=0)
 
 
-needs_int8 = pytest.mark.skipif(not il.supports_int8(16, 32), reason="no C compiler, or no AVX512-VNNI here")
+needs_int8 = pytest.mark.skipif(not il.supports_int8(16, 32), reason="no C compiler, or neither AVX512-VNNI nor AVX2 here")
 
 
 def _table(n: int, k: int, seed: int = 0):

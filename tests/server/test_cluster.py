@@ -145,8 +145,13 @@ def test_load_aware_policy_routes_away_from_a_busy_worker(tiny_path, tmp_path):
         for t in threads:
             t.start()
         try:
-            assert wait_until(lambda: _gauge(busy, "num_requests_running") + _gauge(busy, "num_requests_waiting") >= 4,
-                              30)
+            # 90 s: under make test's second worker the first busy requests once took over 30 s to show
+            # (a Zen 5, 2026-11-29; it passed alone in 17 s). On failure, say what the worker reported.
+            def busy_load() -> float:
+                return _gauge(busy, "num_requests_running") + _gauge(busy, "num_requests_waiting")
+
+            assert wait_until(lambda: busy_load() >= 4, 90, 0.2), (
+                busy_load(), [t.is_alive() for t in threads], (tmp_path / "cluster.log").read_text()[-3000:])
             time.sleep(3)  # the gateway polls /loads every second
             before = _finished(idle)
             for i in range(20):

@@ -253,9 +253,9 @@ static inline __attribute__((always_inline)) void ps_q4_half(const int8_t *restr
                                                              const int64_t K, const uint8_t *restrict wt,
                                                              const uint16_t *restrict st, const int64_t G,
                                                              float *restrict acc, const int h, const int MB,
-                                                             const int SYM, const int TWO) {
+                                                             const int W8, const int SYM, const int TWO) {
     const int64_t nb = K / PS_Q4_AB;
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 f[PS_Q4_MB2];
     for (int r = 0; r < MB; ++r) f[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -265,7 +265,23 @@ static inline __attribute__((always_inline)) void ps_q4_half(const int8_t *restr
                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 16)));
         __m256i ih[PS_Q4_MB2], il[PS_Q4_MB2];
         for (int r = 0; r < MB; ++r) ih[r] = il[r] = _mm256_setzero_si256();
-        for (int o = 0; o < 4; ++o) {
+        if (W8) { /* bytes q + 128: as s8 (q in [-127, 127]), |q| against the activation given q's sign */
+            for (int o = 0; o < 8; ++o) {
+                const uint8_t *src = wt + (b * 8 + o) * 64 + 32 * h;
+                _mm_prefetch((const char *)(src + 2 * PS_Q4_PF), _MM_HINT_T0);
+                const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)src), flip);
+                const __m256i qa = _mm256_abs_epi8(q);
+                for (int r = 0; r < MB; ++r) {
+                    const int32_t *ah = (const int32_t *)(hi + r * K + b * PS_Q4_AB);
+                    const int32_t *al = (const int32_t *)(lo + r * K + b * PS_Q4_AB);
+                    ih[r] = _mm256_add_epi32(ih[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_set1_epi32(ah[o]), q)), ones));
+                    if (!TWO) continue;
+                    il[r] = _mm256_add_epi32(il[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_set1_epi32(al[o]), q)), ones));
+                }
+            }
+        } else for (int o = 0; o < 4; ++o) {
             const uint8_t *src = wt + (b * 4 + o) * 64 + 32 * h;
             _mm_prefetch((const char *)(src + PS_Q4_PF), _MM_HINT_T0);
             const __m256i raw = _mm256_loadu_si256((const __m256i *)src);
@@ -286,14 +302,15 @@ static inline __attribute__((always_inline)) void ps_q4_half(const int8_t *restr
                                   : ih[r];
             f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
                                    _mm256_mul_ps(d, _mm256_set1_ps(ad[r * nb + b] * (TWO ? 1.0f / 254 : 1.0f))), f[r]);
-            f[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(asum[r * nb + b]), f[r]);
+            if (!W8) f[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(asum[r * nb + b]), f[r]); /* W8: q - 128 took m = -128 d */
         }
     }
     for (int r = 0; r < MB; ++r) _mm256_storeu_ps(acc + r * 16 + 8 * h, f[r]);
 }
 
-int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
-                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym, int two) {
+static int64_t ps_q_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                           int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, const int W8,
+                           const int sym, const int two) {
     const int64_t nb = K / PS_Q4_AB, ntiles = N / 16;
     int8_t *aq = malloc((size_t)(2 * M * K) + (size_t)(2 * M * nb) * sizeof(float));
     if (!aq) return 1;
@@ -308,7 +325,7 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
                                asum + r * nb, two);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; ++t) {
-            const uint8_t *wt = w + t * 8 * K;
+            const uint8_t *wt = w + t * (W8 ? 16 : 8) * K;
             const uint16_t *st = scales + t * (K / G) * (sym ? 16 : 32);
             float acc[PS_Q4_MB2 * 16];
             for (int64_t m0 = 0; m0 < M; m0 += PS_Q4_MB2) {
@@ -316,8 +333,8 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
                 const int8_t *a = hi + m0 * K, *l = lo + m0 * K;
                 const float *sd = ad + m0 * nb, *ss = asum + m0 * nb;
 /* constant MB and SYM: accumulators in registers */
-#define PS_Q4_HALF2(MB_, SYM_) (two ? ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, MB_, SYM_, 1) \
-                                    : ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, MB_, SYM_, 0))
+#define PS_Q4_HALF2(MB_, SYM_) (two ? ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, MB_, W8, SYM_, 1) \
+                                    : ps_q4_half(a, l, sd, ss, K, wt, st, G, acc, h, MB_, W8, SYM_, 0))
 #define PS_Q4_HALF(MB_) (sym ? PS_Q4_HALF2(MB_, 1) : PS_Q4_HALF2(MB_, 0))
                 for (int h = 0; h < 2; ++h) {
                     switch (mb) {
@@ -344,7 +361,22 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
     return 0;
 }
 
+int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym, int two) {
+    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 0, sym, two);
+}
+
+/* The 8-bit tiles (the int8 LM head): vpmaddubsw wants one unsigned operand and its pairs of products within
+ * int16, so the weight goes in as |q| and the activation takes q's sign (llama.cpp's Q8 dot on AVX2):
+ * 2 * 127 * 127 < 2^15. Why: on a 2-core AMD EPYC Zen 3 SmolLM2's head (49,152 x 576) took 4.8 ms a decode
+ * step as the bfloat16 table (56 MB) and 10.5 through torch's int8 kernel. */
+int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
+                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int two) {
+    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 1, 0, two);
+}
+
 int64_t ps_int4_linear_available(void) { return 1; }
+int64_t ps_int8_linear_available(void) { return 1; }
 #else
 int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
                        int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym, int two) {
@@ -355,8 +387,9 @@ int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
 int64_t ps_int4_linear_available(void) { return 0; } /* no AVX512-VNNI: the launcher keeps torch's int4 kernel */
 #endif
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__))
-/* 8-bit weights only on AVX512-VNNI (the LM head keeps torch's int8 kernel or the bfloat16 table here) */
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)) && \
+    !(defined(PS_AVX2) && defined(__F16C__))
+/* 8-bit weights need AVX512-VNNI or AVX2 (the LM head keeps torch's int8 kernel or the bfloat16 table here) */
 int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
                        int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int two) {
     (void)x; (void)w; (void)scales; (void)out; (void)M; (void)N; (void)K; (void)G; (void)ldx; (void)ldo;
