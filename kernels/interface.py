@@ -47,6 +47,9 @@ class KernelOps:
     # The LM head's weight (dense, or an int8 table) in the form its logits are computed fastest in here;
     # None: pack_weight for a dense head, an int8 table as it is.
     pack_lm_head: Callable | None = None
+    # A quantized linear weight (kernels/quant_linear.QuantizedWeight) with the forms its rows run through measured
+    # here (the CPU's int4 prefill through the float32 GEMM where faster); None: as it is.
+    pack_quantized: Callable | None = None
     # pack_weight's inverse: a weight [N, K] back from its bound form, exactly (the model releases the plain
     # tensors its bound forms duplicate and unpacks them to bind another op set)
     unpack_weight: Callable = unpacked

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .cpu import int4_linear
 from .cpu.hugepages import on_huge_pages
@@ -52,6 +53,9 @@ class QuantizedWeight:
     vnni: tuple[torch.Tensor, torch.Tensor] | None = None
     # int8 LM head: ((up to rows, kernel), ...) as measured at bind (with_logits_kernels); () the flags' choice
     logits_spans: tuple[tuple[int, str], ...] = ()
+    # int4_vnni: calls on more rows than this widen the weight to float32 for the float32 GEMM (with_gemm_rows);
+    # None: the int4 kernel at every row count
+    gemm_above: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -168,6 +172,8 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     int8 digit per input (llama.cpp's precision) where it takes two by default (steps without prompt tokens:
     with_quantized_linear)."""
     _check(x, qw)
+    if two_digits and qw.gemm_above is not None and x.shape[0] > qw.gemm_above:  # a prompt's rows (decode: one digit)
+        return _with_bias(widened_int4_linear(x, qw), bias)
     if qw.layout == "int4_vnni":  # packed and checked by int4_from_groups
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         y = int4_linear.int4_linear_unchecked(xk, qw.packed, qw.scales, qw.group_size, two_digits)
@@ -179,6 +185,28 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     else:
         y = torch.ops.aten._weight_int8pack_mm(x.to(COMPUTE_DTYPE).contiguous(), qw.packed, qw.scales)
     return _with_bias(y.to(x.dtype), bias)
+
+
+def widened_int4_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype: an int4_vnni weight widened to float32 for this call (the C kernel, ~0.1 ms
+    for SmolLM2's largest) and multiplied by the float32 GEMM. Why: where int8 products go through AVX2's
+    vpmaddubsw the int4 kernel multiplies at ~20 GMAC/s a core, the float32 GEMM at ~2x that, so a prompt's rows
+    are faster widened (with_gemm_rows measures where); the activations stay float32, not two int8 digits."""
+    w = int4_linear.int4_dequantize_cpu(qw.packed, qw.scales, qw.group_size)  # [N, K] float32
+    return F.linear(x.float(), w).to(x.dtype)
+
+
+def with_gemm_rows(qw, dispatch):
+    """An int4_vnni weight with ``gemm_above`` measured here for its shape (kernels/cpu/choices.py
+    int4_gemm_rows: the int4 kernel's two digits against :func:`widened_int4_linear` at prefill row counts);
+    anything else as it is."""
+    if not isinstance(qw, QuantizedWeight) or qw.layout != "int4_vnni":
+        return qw
+    from .cpu.choices import int4_gemm_rows
+
+    plain = dataclasses.replace(qw, gemm_above=None)  # bound before: measured afresh
+    above = int4_gemm_rows(dispatch, plain, {"int4_vnni": quantized_linear, "widened": widened_int4_linear})
+    return dataclasses.replace(plain, gemm_above=above)
 
 
 def _with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -339,9 +367,10 @@ def with_quantized_linear(ops):
     answers the README's question as the dense model does (one digit in prefill turned its near-tie, "The" -1.92 /
     "L" -2.01, into "L'Étoile, ..."; one digit in decode moved perplexity 25.95 -> 25.98)."""
     dense_linear, dense_pack = ops.linear, ops.pack_weight
+    pack_quantized = ops.pack_quantized or (lambda w: dataclasses.replace(w, gemm_above=None))  # no measured rows
 
     def pack_weight(w):
-        return w if isinstance(w, QuantizedWeight) else dense_pack(w)
+        return pack_quantized(w) if isinstance(w, QuantizedWeight) else dense_pack(w)
 
     def linears(two_digits: bool) -> dict:
         def linear(x, w, b=None):
@@ -362,7 +391,7 @@ def with_quantized_linear(ops):
         dense_pack_gate_up = ops.pack_gate_up
 
         def pack_gate_up(w):
-            return w if isinstance(w, QuantizedWeight) else dense_pack_gate_up(w)
+            return pack_quantized(w) if isinstance(w, QuantizedWeight) else dense_pack_gate_up(w)
 
         extra["pack_gate_up"] = pack_gate_up
     bound = dataclasses.replace(ops, **linears(True), **extra)

@@ -70,6 +70,8 @@ DECODE_FP8_ARGTYPES = DECODE_ARGTYPES[:23] + [_F, _F, _F, _I64, _INT]
 # x, packed weight, scales, out; M, N, K, group, x row stride, out row stride; bf16; nthreads -> 1 on no memory
 INT4_LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 6 + [_INT] * 4  # ..., bf16, nthreads, symmetric (m = -8 d), two digits
 INT8_LINEAR_ARGTYPES = INT4_LINEAR_ARGTYPES[:-2] + [_INT]  # no symmetric flag
+# packed weight, scales, out float32 [N, K]; N, K, group; symmetric; nthreads -> 0
+INT4_DEQUANTIZE_ARGTYPES = [_P] * 3 + [_I64] * 3 + [_INT] * 2
 # x, weight (or its lanes layout), bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
 LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
 # key, value, k_cache, v_cache, slots (int64); T, row bytes, key/value token strides, cache slot
@@ -127,6 +129,8 @@ class NativeKernels:
     # (or where the OS withholds its tiles)
     amx_bf16: ctypes._CFuncPtr | None = None
     amx_gated_bf16: ctypes._CFuncPtr | None = None
+    # the packed int4 weight back to float32 (csrc/int4_linear.c ps_int4_dequantize; portable C)
+    int4_dequantize: ctypes._CFuncPtr | None = None
 
     # Entry points per model dtype (float32 / bfloat16), for the launchers and the engine's decode
     # stack alike. Callers check the dtype with has_dtype first.
@@ -296,6 +300,7 @@ def _load(path: Path) -> NativeKernels:
     lib.ps_int8_linear.argtypes, lib.ps_int8_linear.restype = INT8_LINEAR_ARGTYPES, ctypes.c_int64
     lib.ps_int8_linear_available.restype = ctypes.c_int64
     int8_linear = lib.ps_int8_linear if lib.ps_int8_linear_available() else None
+    lib.ps_int4_dequantize.argtypes, lib.ps_int4_dequantize.restype = INT4_DEQUANTIZE_ARGTYPES, ctypes.c_int64
     lib.ps_top_k_top_p.argtypes, lib.ps_top_k_top_p.restype = TOP_P_ARGTYPES, ctypes.c_int64
     lib.ps_race.argtypes, lib.ps_race.restype = RACE_ARGTYPES, None
     lanes, gated = [], []
@@ -324,7 +329,8 @@ def _load(path: Path) -> NativeKernels:
                          lib.ps_linear_max_rows(), lib.ps_max_g(), lib.ps_max_d(), lib.ps_max_bs(),
                          lib.ps_prefill_max_d(), lib.ps_prefill_d_multiple(), path, lib.ps_top_k_top_p, *lanes, lib.ps_race,
                          bool(lib.ps_prefill_on_amx()), *gated, store_kv_fp8=store_fp8, decode_fp8=decode_fp8,
-                         int8_linear=int8_linear, amx_bf16=amx[0], amx_gated_bf16=amx[1])
+                         int8_linear=int8_linear, amx_bf16=amx[0], amx_gated_bf16=amx[1],
+                         int4_dequantize=lib.ps_int4_dequantize)
 
 
 def _with_fast_calls(kernels: NativeKernels, cc: str) -> NativeKernels:

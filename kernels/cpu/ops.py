@@ -40,7 +40,7 @@ from .elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
 from .linear import (EVERY_ROW, CpuLinearWeight, c_kernel_rows, covers, has_amx_linear, has_lanes, lanes_launchers,
                      linear_covered, pack_lanes, pack_lanes_gated, row_reader, rows_covered, unpack_weight)
 from ..interface import KernelOps
-from ..quant_linear import with_logits_kernels
+from ..quant_linear import with_gemm_rows, with_logits_kernels
 from .paged_attention import call_decode, paged_attention_decode_cpu, paged_attention_prefill_cpu
 from .choices import GEMM_ROWS, HEAD_ROWS, LINEAR_ROWS, gemm_form, linear_small_rows
 from .dispatch import EVERY, Dispatcher
@@ -196,7 +196,7 @@ class _BoundCpuOps:
                          self.decode, functools.partial(paged_attention_prefill_cpu, scratch=self.scratch),
                          copy_blocks_torch, self.pack_weight, linear_silu_mul=self.linear_silu_mul,
                          pack_gate_up=functools.partial(self.pack_weight, gated=True), pack_lm_head=self.pack_lm_head,
-                         unpack_weight=unpack_weight, row_reader=row_reader)
+                         pack_quantized=self.pack_quantized, unpack_weight=unpack_weight, row_reader=row_reader)
 
     # -- weights, in the forms measured fastest here (kernels/cpu/choices.py) ------------------------
     def pack_weight(self, weight, *, gated: bool = False, rows: tuple[int, ...] = LINEAR_ROWS):
@@ -218,6 +218,11 @@ class _BoundCpuOps:
         if isinstance(weight, torch.Tensor):
             return self.pack_weight(weight, rows=HEAD_ROWS)
         return with_logits_kernels(weight, self.dispatch)
+
+    def pack_quantized(self, weight):
+        """An int4 weight with the row count above which its rows go through the float32 GEMM on the weight
+        widened per call, measured here per shape (quant_linear.with_gemm_rows); anything else as it is."""
+        return with_gemm_rows(weight, self.dispatch)
 
     def _small_form(self, gated: bool, shape: tuple[int, int]):
         """(name, pack, call) of the C kernel's form for a weight of ``shape`` (N, K), or None where no C

@@ -206,3 +206,45 @@ def test_int8_zero_rows_and_bad_operands():
         il.int8_linear_cpu(torch.randn(2, 64), packed[:, :4], scales)
     with pytest.raises(ValueError, match="pack_int8"):
         il.pack_int8(q[:20], s[:20])  # not a whole tile of 16 columns
+
+
+@needs_kernel
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group", [32, 64])
+def test_dequantize_in_c_equals_the_reference(symmetric, group):
+    g = torch.Generator().manual_seed(3)
+    n, k = 48, 256
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = torch.rand(n, k // group, generator=g) * 0.05 + 1e-3
+    m = None if symmetric else -torch.rand(n, k // group, generator=g) * 0.3
+    packed, scales = il.pack_int4(q, d, m)
+    assert torch.equal(il.int4_dequantize_cpu(packed, scales, group), il.dequantize_int4(packed, scales))
+    with pytest.raises(ValueError, match="int4_dequantize"):
+        il.int4_dequantize_cpu(packed, scales, 96)  # not the group the scales hold
+
+
+@needs_kernel
+def test_prompt_rows_widened_where_measured_faster_and_decode_rows_never(tmp_path):
+    """with_gemm_rows: forced (PREFIXSERVE_KERNELS' int4_prefill) to the widened form, a prompt's rows above the
+    threshold multiply the float32 weight by float32 activations exactly; fewer rows, and steps without prompt
+    tokens (one digit), keep the int4 kernel; forced to the kernel, nothing is widened."""
+    from kernels.cpu.dispatch import Dispatcher
+    from kernels.quant_linear import dequantize, int4_from_groups, quantized_linear, with_gemm_rows
+
+    g = torch.Generator().manual_seed(4)
+    n, k = 64, 128
+    qw = int4_from_groups(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3,
+                          torch.randn(n, k // 32, generator=g) * 0.05)
+    widened = with_gemm_rows(qw, Dispatcher(cache_dir=tmp_path, overrides="int4_prefill=widened"))
+    assert widened.gemm_above == 16 and widened.packed is qw.packed  # no second copy
+    assert with_gemm_rows(qw, Dispatcher(cache_dir=tmp_path, overrides="int4_prefill=int4_vnni")).gemm_above is None
+    w = dequantize(qw)
+    x = torch.randn(40, k, generator=g)
+    exact = x.double() @ w.double().t()
+    torch.testing.assert_close(quantized_linear(x, widened).double(), exact, rtol=1e-5, atol=1e-5)
+    kernel = quantized_linear(x, qw)  # the int4 kernel's two int8 digits: close, not float32-exact
+    assert not torch.equal(kernel, quantized_linear(x, widened))
+    assert torch.equal(quantized_linear(x[:16], widened), quantized_linear(x[:16], qw))  # at the threshold: kernel
+    assert torch.equal(quantized_linear(x, widened, two_digits=False), quantized_linear(x, qw, two_digits=False))
+    bf = quantized_linear(x.bfloat16(), widened)
+    assert bf.dtype == torch.bfloat16 and bf.shape == (40, n)

@@ -398,3 +398,48 @@ int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
 }
 int64_t ps_int8_linear_available(void) { return 0; }
 #endif
+
+/* ---------------------------------------------------------------------------------------------
+ * The packed int4 weight (layout above) back to float32 out[N, K] = q * d + m, for a prefill's rows
+ * multiplied by the float32 GEMM instead of the int4 kernel (kernels/quant_linear.py: where measured faster,
+ * as on CPUs whose int8 products go through AVX2's vpmaddubsw). Portable C: every CPU has it. Tiles of 16
+ * columns over the threads; returns 0.
+ */
+static inline float ps_f16_to_f32(uint16_t h) {
+    const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    float v;
+    if (e == 0) {
+        v = ldexpf((float)m, -24); /* zero or subnormal */
+    } else if (e == 31) {
+        v = m ? NAN : INFINITY;
+    } else {
+        const uint32_t bits = ((e + 112) << 23) | (m << 13);
+        memcpy(&v, &bits, sizeof v);
+    }
+    return (h & 0x8000) ? -v : v;
+}
+
+int64_t ps_int4_dequantize(const uint8_t *w, const uint16_t *scales, float *out, int64_t N, int64_t K, int64_t G,
+                           int sym, int nthreads) {
+    const int64_t ng = K / G, per = sym ? 16 : 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < N / 16; ++t) {
+        const uint8_t *wt = w + t * 8 * K;
+        const uint16_t *st = scales + t * ng * per;
+        for (int64_t c = 0; c < 16; ++c) {
+            float *row = out + (t * 16 + c) * K;
+            for (int64_t g = 0; g < ng; ++g) {
+                const float d = ps_f16_to_f32(st[g * per + c]);
+                const float m = sym ? -8.0f * d : ps_f16_to_f32(st[g * per + 16 + c]);
+                for (int64_t o = g * G / 8; o < (g + 1) * G / 8; ++o) {
+                    const uint8_t *b = wt + (o * 16 + c) * 4;
+                    for (int i = 0; i < 4; ++i) {
+                        row[8 * o + i] = (float)(b[i] & 0x0f) * d + m;
+                        row[8 * o + 4 + i] = (float)(b[i] >> 4) * d + m;
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
