@@ -196,22 +196,7 @@ static int64_t ps_q_linear(const void *x, const uint8_t *w, const uint16_t *scal
     return 0;
 }
 
-int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
-                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym, int two) {
-    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 0, sym, two);
-}
-
-/* The same with 8-bit weights q in [0, 255] (w = q * d + m: an int8 table as q + 128, m = -128 d), laid out
- * [N/16][K/4][16 columns][4 bytes] (byte i of column c at k-quad o: q[c, 4o + i]). Why: the int8 LM head of
- * the shipped SmolLM2 (49,152 x 576) took 2.4 ms a decode step through torch's _weight_int8pack_mm or the
- * bfloat16 table on a 2-core AMD EPYC Zen 4, where its 28 MB read at 34 GB/s takes 0.8. */
-int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
-                       int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int two) {
-    return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 1, 0, two);
-}
-
-int64_t ps_int4_linear_available(void) { return 1; }
-int64_t ps_int8_linear_available(void) { return 1; }
+#define PS_Q_LINEAR 1
 #elif defined(PS_AVX2) && defined(__F16C__)
 /* AVX2 without VNNI (AMD Zen 3): the same layout, activation digits and sums, with vpdpbusd's 4-byte dot
  * products as vpmaddubsw (u8 x s8 -> s16 pairs: |15 * 127 * 2| < 2^15, never saturating) then vpmaddwd
@@ -361,13 +346,22 @@ static int64_t ps_q_linear(const void *x, const uint8_t *w, const uint16_t *scal
     return 0;
 }
 
+#define PS_Q_LINEAR 1
+#endif
+
+#ifdef PS_Q_LINEAR
 int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
                        int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym, int two) {
     return ps_q_linear(x, w, scales, out, M, N, K, G, ldx, ldo, bf16, nthreads, 0, sym, two);
 }
 
-/* The 8-bit tiles (the int8 LM head): vpmaddubsw wants one unsigned operand and its pairs of products within
- * int16, so the weight goes in as |q| and the activation takes q's sign (llama.cpp's Q8 dot on AVX2):
+/* The same with 8-bit weights q in [0, 255] (w = q * d + m: an int8 table as q + 128, m = -128 d), laid out
+ * [N/16][K/4][16 columns][4 bytes] (byte i of column c at k-quad o: q[c, 4o + i]). Why: the int8 LM head of
+ * the shipped SmolLM2 (49,152 x 576) took 2.4 ms a decode step through torch's _weight_int8pack_mm or the
+ * bfloat16 table on a 2-core AMD EPYC Zen 4, where its 28 MB read at 34 GB/s takes 0.8.
+ *
+ * On AVX2, vpmaddubsw wants one unsigned operand and its pairs of products within
+ * int16, so the weight goes in as |q| and the activation takes q's sign (llama.cpp's Q8 dot):
  * 2 * 127 * 127 < 2^15. Why: on a 2-core AMD EPYC Zen 3 SmolLM2's head (49,152 x 576) took 4.8 ms a decode
  * step as the bfloat16 table (56 MB) and 10.5 through torch's int8 kernel. */
 int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
@@ -377,25 +371,20 @@ int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, 
 
 int64_t ps_int4_linear_available(void) { return 1; }
 int64_t ps_int8_linear_available(void) { return 1; }
-#else
+#else /* neither AVX512-VNNI nor AVX2: the launchers keep torch's int4 / int8 kernels */
 int64_t ps_int4_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
                        int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int sym, int two) {
     (void)x; (void)w; (void)scales; (void)out; (void)M; (void)N; (void)K; (void)G; (void)ldx; (void)ldo;
     (void)bf16; (void)nthreads; (void)sym; (void)two;
     return 2;
 }
-int64_t ps_int4_linear_available(void) { return 0; } /* no AVX512-VNNI: the launcher keeps torch's int4 kernel */
-#endif
-
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)) && \
-    !(defined(PS_AVX2) && defined(__F16C__))
-/* 8-bit weights need AVX512-VNNI or AVX2 (the LM head keeps torch's int8 kernel or the bfloat16 table here) */
 int64_t ps_int8_linear(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int64_t M, int64_t N,
                        int64_t K, int64_t G, int64_t ldx, int64_t ldo, int bf16, int nthreads, int two) {
     (void)x; (void)w; (void)scales; (void)out; (void)M; (void)N; (void)K; (void)G; (void)ldx; (void)ldo;
     (void)bf16; (void)nthreads; (void)two;
     return 2;
 }
+int64_t ps_int4_linear_available(void) { return 0; }
 int64_t ps_int8_linear_available(void) { return 0; }
 #endif
 
