@@ -188,24 +188,28 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
 
 
 def widened_int4_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype: an int4_vnni weight widened to float32 for this call (the C kernel, ~0.1 ms
-    for SmolLM2's largest) and multiplied by the float32 GEMM. Why: where int8 products go through AVX2's
-    vpmaddubsw the int4 kernel multiplies at ~20 GMAC/s a core, the float32 GEMM at ~2x that, so a prompt's rows
-    are faster widened (with_gemm_rows measures where); the activations stay float32, not two int8 digits."""
+    """x [M, K] -> [M, N] in x's dtype: an int4_vnni weight widened for this call (the C kernel, ~0.1 ms for
+    SmolLM2's largest) and multiplied by the GEMM of x's dtype: float32, or bfloat16 for bfloat16 activations
+    (the weight rounded to bfloat16: 8 significant bits for a 4-bit value times a float16 scale). Why: where int8
+    products go through AVX2's vpmaddubsw the int4 kernel multiplies at ~20 GMAC/s a core, the float32 GEMM at
+    ~2x that; where oneDNN multiplies bfloat16 on AMX tiles a GEMM outruns the int4 kernel's two int8 digits
+    many times over (with_gemm_rows measures where). The activations stay as they are, not two int8 digits."""
+    if x.dtype == torch.bfloat16:
+        return F.linear(x, int4_linear.int4_dequantize_cpu(qw.packed, qw.scales, qw.group_size, torch.bfloat16))
     w = int4_linear.int4_dequantize_cpu(qw.packed, qw.scales, qw.group_size)  # [N, K] float32
     return F.linear(x.float(), w).to(x.dtype)
 
 
-def with_gemm_rows(qw, dispatch):
-    """An int4_vnni weight with ``gemm_above`` measured here for its shape (kernels/cpu/choices.py
-    int4_gemm_rows: the int4 kernel's two digits against :func:`widened_int4_linear` at prefill row counts);
-    anything else as it is."""
+def with_gemm_rows(qw, dispatch, dtype: torch.dtype = torch.float32):
+    """An int4_vnni weight with ``gemm_above`` measured here for its shape and the activations' ``dtype``
+    (kernels/cpu/choices.py int4_gemm_rows: the int4 kernel's two digits against :func:`widened_int4_linear` at
+    prefill row counts); anything else as it is."""
     if not isinstance(qw, QuantizedWeight) or qw.layout != "int4_vnni":
         return qw
     from .cpu.choices import int4_gemm_rows
 
     plain = dataclasses.replace(qw, gemm_above=None)  # bound before: measured afresh
-    above = int4_gemm_rows(dispatch, plain, {"int4_vnni": quantized_linear, "widened": widened_int4_linear})
+    above = int4_gemm_rows(dispatch, plain, {"int4_vnni": quantized_linear, "widened": widened_int4_linear}, dtype)
     return dataclasses.replace(plain, gemm_above=above)
 
 

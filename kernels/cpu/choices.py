@@ -111,20 +111,23 @@ def lm_head_spans(dispatch: Dispatcher, qw, candidates: dict[str, Callable[[], C
 GEMM_PREFILL_ROWS = (32, 128, 512, 2048)  # a prompt's rows where an int4 weight may go through the float32 GEMM
 
 
-def int4_gemm_rows(dispatch: Dispatcher, qw, candidates: dict[str, Callable]) -> int | None:
-    """The row count above which an int4 weight's prompt rows run faster widened to float32 (``candidates``:
-    "int4_vnni" and "widened", each fn(x, qw) -> y), measured at GEMM_PREFILL_ROWS against the float32 product;
-    None where the int4 kernel is as fast at each (no copy is kept either way: the widened form is made per call)."""
+def int4_gemm_rows(dispatch: Dispatcher, qw, candidates: dict[str, Callable],
+                   dtype: torch.dtype = torch.float32) -> int | None:
+    """The row count above which an int4 weight's prompt rows (activations in ``dtype``) run faster widened for
+    the GEMM (``candidates``: "int4_vnni" and "widened", each fn(x, qw) -> y), measured at GEMM_PREFILL_ROWS
+    against the float32 product; None where the int4 kernel is as fast at each (no copy is kept either way: the
+    widened form is made per call)."""
     from ..quant_linear import dequantize
 
     def setup():
         w = dequantize(qw)  # [N, K] float32
         gen = torch.Generator().manual_seed(0)
         return ({name: (lambda x, fn=fn: fn(x, qw)) for name, fn in candidates.items()},
-                lambda m: torch.randn(m, qw.in_features, generator=gen), lambda x: x.float() @ w.t())
+                lambda m: torch.randn(m, qw.in_features, generator=gen).to(dtype), lambda x: x.float() @ w.t())
 
     symmetric = "sym" if qw.scales.shape[2] == 1 else "asym"
-    choice = dispatch.choose("int4_prefill", f"{qw.out_features}x{qw.in_features} g{qw.group_size} {symmetric}",
+    shape = f"{qw.out_features}x{qw.in_features} g{qw.group_size} {symmetric}"
+    choice = dispatch.choose("int4_prefill", shape if dtype == torch.float32 else f"{shape} {str(dtype)[6:]}",
                              list(candidates), setup, GEMM_PREFILL_ROWS, tol=0.03, mode="threshold")
     spans = choice.by_rows
     if spans[-1][1] != "widened":

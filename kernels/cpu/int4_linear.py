@@ -70,17 +70,20 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * d.repeat_interleave(g, 1) + m.repeat_interleave(g, 1)
 
 
-def int4_dequantize_cpu(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """:func:`dequantize_int4` in C (csrc/int4_linear.c ps_int4_dequantize): the float32 weight [N, K] from
-    the packed form, for a prefill's rows through the float32 GEMM (quant_linear.widened_int4_linear)."""
+def int4_dequantize_cpu(packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`dequantize_int4` in C (csrc/int4_linear.c ps_int4_dequantize): the weight [N, K] from the packed
+    form in float32, or bfloat16 (rounded to nearest even), for a prefill's rows through a GEMM
+    (quant_linear.widened_int4_linear)."""
     n, k = packed.shape[0] * TILE, packed.shape[1] * 8
     if packed.dim() != 4 or packed.shape[2:] != (TILE, 4) or not packed.is_contiguous() or not scales.is_contiguous() \
-            or scales.shape != (packed.shape[0], k // group_size, scales.shape[2], TILE) or k % group_size:
+            or scales.shape != (packed.shape[0], k // group_size, scales.shape[2], TILE) or k % group_size \
+            or dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"int4_dequantize: packed {tuple(packed.shape)}, scales {tuple(scales.shape)}, "
-                         f"group {group_size}")
-    out = torch.empty((n, k), dtype=torch.float32)
+                         f"group {group_size}, {dtype}")
+    out = torch.empty((n, k), dtype=dtype)
     native_kernels().int4_dequantize(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, group_size,
-                                     int(is_symmetric(scales)), torch.get_num_threads())
+                                     int(is_symmetric(scales)), int(dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 

@@ -70,8 +70,8 @@ DECODE_FP8_ARGTYPES = DECODE_ARGTYPES[:23] + [_F, _F, _F, _I64, _INT]
 # x, packed weight, scales, out; M, N, K, group, x row stride, out row stride; bf16; nthreads -> 1 on no memory
 INT4_LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 6 + [_INT] * 4  # ..., bf16, nthreads, symmetric (m = -8 d), two digits
 INT8_LINEAR_ARGTYPES = INT4_LINEAR_ARGTYPES[:-2] + [_INT]  # no symmetric flag
-# packed weight, scales, out float32 [N, K]; N, K, group; symmetric; nthreads -> 0
-INT4_DEQUANTIZE_ARGTYPES = [_P] * 3 + [_I64] * 3 + [_INT] * 2
+# packed weight, scales, out float32 / bfloat16 [N, K]; N, K, group; symmetric, bfloat16, nthreads -> 0
+INT4_DEQUANTIZE_ARGTYPES = [_P] * 3 + [_I64] * 3 + [_INT] * 3
 # x, weight (or its lanes layout), bias (NULL for none), out; M, N, K, x row stride, out row stride; nthreads
 LINEAR_ARGTYPES = [_P] * 4 + [_I64] * 5 + [_INT]
 # key, value, k_cache, v_cache, slots (int64); T, row bytes, key/value token strides, cache slot

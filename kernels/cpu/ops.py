@@ -220,9 +220,9 @@ class _BoundCpuOps:
         return with_logits_kernels(weight, self.dispatch)
 
     def pack_quantized(self, weight):
-        """An int4 weight with the row count above which its rows go through the float32 GEMM on the weight
+        """An int4 weight with the row count above which its rows go through the GEMM of this dtype on the weight
         widened per call, measured here per shape (quant_linear.with_gemm_rows); anything else as it is."""
-        return with_gemm_rows(weight, self.dispatch)
+        return with_gemm_rows(weight, self.dispatch, self.dtype)
 
     def _small_form(self, gated: bool, shape: tuple[int, int]):
         """(name, pack, call) of the C kernel's form for a weight of ``shape`` (N, K), or None where no C

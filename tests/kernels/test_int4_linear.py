@@ -219,6 +219,10 @@ def test_dequantize_in_c_equals_the_reference(symmetric, group):
     m = None if symmetric else -torch.rand(n, k // group, generator=g) * 0.3
     packed, scales = il.pack_int4(q, d, m)
     assert torch.equal(il.int4_dequantize_cpu(packed, scales, group), il.dequantize_int4(packed, scales))
+    assert torch.equal(il.int4_dequantize_cpu(packed, scales, group, torch.bfloat16),
+                       il.dequantize_int4(packed, scales).bfloat16())  # rounded once, to nearest even
+    with pytest.raises(ValueError, match="int4_dequantize"):
+        il.int4_dequantize_cpu(packed, scales, group, torch.float16)
     with pytest.raises(ValueError, match="int4_dequantize"):
         il.int4_dequantize_cpu(packed, scales, 96)  # not the group the scales hold
 
@@ -248,3 +252,31 @@ def test_prompt_rows_widened_where_measured_faster_and_decode_rows_never(tmp_pat
     assert torch.equal(quantized_linear(x, widened, two_digits=False), quantized_linear(x, qw, two_digits=False))
     bf = quantized_linear(x.bfloat16(), widened)
     assert bf.dtype == torch.bfloat16 and bf.shape == (40, n)
+    # bfloat16 activations meet the weight widened to bfloat16 in the bfloat16 GEMM (AMX tiles where oneDNN has
+    # them), not a float32 product
+    assert torch.equal(bf, torch.nn.functional.linear(x.bfloat16(), w.bfloat16()))
+
+
+@needs_kernel
+def test_prompt_rows_are_measured_in_the_models_dtype(tmp_path):
+    """with_gemm_rows times both forms on activations of the model's dtype, and keeps bfloat16's choice apart from
+    float32's (a bfloat16 GEMM on AMX tiles and a float32 one differ many times over)."""
+    from kernels.cpu.dispatch import Dispatcher
+    from kernels.quant_linear import int4_from_groups, with_gemm_rows
+
+    g = torch.Generator().manual_seed(5)
+    n, k = 64, 128
+    qw = int4_from_groups(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3,
+                          torch.randn(n, k // 32, generator=g) * 0.05)
+    seen = []
+    d = Dispatcher(cache_dir=tmp_path, overrides="", is_busy=lambda: False)
+    measure = d._measure
+
+    def spy(op, key, candidates, make_input, *a):
+        seen.append((key, make_input(4).dtype))
+        return measure(op, key, candidates, make_input, *a)
+
+    d._measure = spy
+    with_gemm_rows(qw, d, torch.bfloat16)
+    with_gemm_rows(qw, d)
+    assert seen[0] == ("64x128 g32 asym bfloat16", torch.bfloat16) and seen[-1] == ("64x128 g32 asym", torch.float32)
