@@ -77,3 +77,19 @@ def test_amx_linear_rejects_bad_operands():
         amx_linear(torch.randn(3, 64), weight)
     with pytest.raises(ValueError, match="bias must be"):
         amx_linear(torch.randn(3, 64).bfloat16(), weight, torch.randn(39).bfloat16())
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_long_rows_go_in_k_slices_with_the_same_sums(gated):
+    """K over 2,048 with more than one pass of rows goes in slices of k whose partial sums are kept between
+    sweeps (Llama's down projection: K = 8,192); the sums run in the same k order, so every row is bit for bit
+    what a one-row call (never sliced) gives, across chunks of rows too (300 rows: 256 a chunk at that slice)."""
+    n, k = (64, 4160) if not gated else (96, 4160)  # two whole slices and a partial one
+    weight, w = _weight(n, k, gated=gated)
+    run = amx_linear_silu_mul if gated else amx_linear
+    x, b = torch.randn(300, k).bfloat16(), torch.randn(n).bfloat16()
+    full = run(x, weight, b)
+    for r in (0, 31, 32, 255, 256, 299):
+        assert torch.equal(run(x[r:r + 1].contiguous(), weight, b), full[r:r + 1])
+    if not gated:
+        torch.testing.assert_close(full.float(), F.linear(x.float(), w.float(), b.float()), **BF16)

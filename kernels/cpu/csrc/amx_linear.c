@@ -29,8 +29,10 @@
  * each thread prefetches its weights PS_AMX_PF bytes ahead of the tile loads. More rows than PS_AMX_CHUNK
  * bytes of A tiles hold (256 at K = 2,048) go in chunks, each a sweep over the blocks, so the A tiles stay
  * in L2 (without: 2,048 rows on one 2,048 x 2,048 weight re-read 8 MiB of them per block, 38 ms on one
- * thread against 19 with the chunks). A K that is not a multiple of 32 (no whole A tiles) goes to
- * lanes_linear.c on the same layout.
+ * thread against 19 with the chunks). Past K = 2,048, more than one pass of rows goes in slices of 2,048 k, each
+ * slice's sweep adding to the sums the last one kept (a chunk stays 256 rows: Llama-3.2-1B's down projection at
+ * 2,048 rows 51-57 -> 46 ms, 512 rows 11.3-11.5 -> 8.7-8.9; oneDNN 38-40 and 11.0; family 6 model 167). A K that is
+ * not a multiple of 32 (no whole A tiles) goes to lanes_linear.c on the same layout.
  *
  * Measured (2-core Intel Xeon, family 6 model 207, AMX; weights streamed from memory, bfloat16, time per
  * step against oneDNN's packed AMX GEMM; results/intel-f6m207-amx/packed_linear_amx*.json): SmolLM2's 30
@@ -51,6 +53,9 @@
 #define PS_AMX_PF 4096      /* bytes of weights prefetched ahead (two steps of 32 k) */
 
 #define PS_AMX_CHUNK (1 << 20) /* bytes of A tiles a chunk of rows holds */
+#ifndef PS_AMX_KSLICE
+#define PS_AMX_KSLICE 2048 /* k a sweep takes at most when rows need more than one pass: partial sums kept */
+#endif
 
 static inline int64_t ps_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t ps_max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -76,17 +81,24 @@ static inline void ps_amx_pack_x(const uint16_t *x, int64_t ldx, int64_t M, int6
     }
 }
 
-/* C[r][h] for one block and one pass: the pass's A tiles xa (ps_amx_pack_x), weights wb (the block), pf:
- * the thread's prefetch cursor (NULL on a later pass of the block: its weights are in L2 by then), pf_end
- * its range's end. */
-static inline void ps_amx_block_pass(const uint16_t *xa, int64_t rows, const uint16_t *wb, int64_t K,
-                                     const char *pf, const char *pf_end) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+/* C[r][h] for one block and one pass over k_lo .. k_hi: the pass's A tiles xa (ps_amx_pack_x), weights wb (the
+ * block), pf: the thread's prefetch cursor (NULL on a later pass of the block: its weights are in L2 by then), pf_end
+ * its range's end; part: the sums of the k before k_lo (ps_amx_keep's layout), NULL to start from zero. */
+static inline void ps_amx_block_pass(const uint16_t *xa, int64_t rows, const uint16_t *wb, int64_t k_lo, int64_t k_hi,
+                                     const char *pf, const char *pf_end, const float *part) {
+    if (part) {
+        _tile_loadd(0, part, 64);
+        _tile_loadd(1, part + 256, 64);
+        _tile_loadd(2, part + 512, 64);
+        _tile_loadd(3, part + 768, 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     const int two = rows > 16;
-    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    for (int64_t k0 = k_lo; k0 < k_hi; k0 += 32) {
         const uint16_t *w = wb + k0 * 32; /* pair row k0 / 2, 64 elements each */
         if (pf) {
             const char *p = pf + k0 * 64;
@@ -105,6 +117,14 @@ static inline void ps_amx_block_pass(const uint16_t *xa, int64_t rows, const uin
             _tile_dpbf16ps(3, 5, 7);
         }
     }
+}
+
+/* The pass's partial sums to part: [row block][column half][16 rows][16 columns] float32, as the epilogue's c. */
+static inline void ps_amx_keep(float *part) {
+    _tile_stored(0, part, 64);
+    _tile_stored(1, part + 256, 64);
+    _tile_stored(2, part + 512, 64);
+    _tile_stored(3, part + 768, 64);
 }
 
 /* The pass's sums to out (row stride ldo): columns n0 .. n0 + ncols of rows 0 .. rows, bias added and
@@ -151,10 +171,18 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
     const int64_t width = gated ? 16 : 32; /* output columns a block gives */
     const int64_t nblocks = (N + width - 1) / width, block = K * 32; /* elements per block */
     const int64_t passes = (M + PS_AMX_PASS - 1) / PS_AMX_PASS;
-    /* rows whose A tiles stay in L2 while a thread sweeps its blocks (PS_AMX_CHUNK bytes of them) */
-    const int64_t chunk = ps_max64(PS_AMX_PASS, PS_AMX_CHUNK / (2 * K) / PS_AMX_PASS * PS_AMX_PASS);
+    /* k a sweep takes, and the rows whose A tiles of that k stay in L2 while a thread sweeps its blocks (PS_AMX_CHUNK
+     * bytes of them). Why slices: unsliced, a chunk at K = 8,192 was 64 rows, and every 64 rows streamed the whole
+     * weight again (2,048 rows of Llama-3.2-1B's down projection: 32 reads of its 32 MiB, 56 ms against oneDNN's
+     * 40 on a 2-core Intel Xeon, family 6 model 167); sliced at 2,048 a chunk is 256 rows, and each (pass, block)
+     * keeps its sums between slices (4 KiB, ps_amx_keep). */
+    const int64_t ks = M > PS_AMX_PASS ? ps_min64(K, PS_AMX_KSLICE) : K; /* one pass reuses nothing: unsliced */
+    const int64_t chunk = ps_max64(PS_AMX_PASS, PS_AMX_CHUNK / (2 * ks) / PS_AMX_PASS * PS_AMX_PASS);
     uint16_t *xa = K % 32 ? NULL : malloc((size_t)(passes * PS_AMX_PASS * K) * sizeof(uint16_t));
-    if (!xa) { /* no whole A tiles, or no memory for them: the same layout through vdpbf16ps (lanes_linear.c) */
+    float *parts = K > ks && xa ? malloc((size_t)(ps_min64(chunk, passes * PS_AMX_PASS) / PS_AMX_PASS * nblocks * 1024)
+                                         * sizeof(float)) : NULL;
+    if (!xa || (K > ks && !parts)) { /* no whole A tiles, or no memory: the same layout through vdpbf16ps */
+        free(xa);
         (gated ? ps_lanes_linear_bf16_gated : ps_lanes_linear_bf16)(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads);
         return;
     }
@@ -164,25 +192,34 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
         int64_t configured = -1; /* the rows the tiles are configured for */
         for (int64_t c0 = 0; c0 < M; c0 += chunk) {
             const int64_t c1 = ps_min64(M, c0 + chunk);
-            /* the same blocks to each thread in every chunk: no barrier needed between chunks */
+            for (int64_t k_lo = 0; k_lo < K; k_lo += ks) {
+                const int64_t k_hi = ps_min64(K, k_lo + ks);
+                /* the same blocks to each thread in every chunk and slice: no barrier needed between them */
 #pragma omp for schedule(static) nowait
-            for (int64_t b = 0; b < nblocks; ++b) {
-                const uint16_t *wb = lanes + b * block;
-                const int64_t n0 = b * width, ncols = ps_min64(N - n0, width);
-                const char *pf = (const char *)wb + PS_AMX_PF, *pf_end = (const char *)(lanes + nblocks * block);
-                for (int64_t m0 = c0; m0 < c1; m0 += PS_AMX_PASS) {
-                    const int64_t rows = ps_min64(c1 - m0, PS_AMX_PASS);
-                    if (rows != configured) {
-                        ps_amx_configure_pass(rows);
-                        configured = rows;
+                for (int64_t b = 0; b < nblocks; ++b) {
+                    const uint16_t *wb = lanes + b * block;
+                    const int64_t n0 = b * width, ncols = ps_min64(N - n0, width);
+                    const char *pf = (const char *)wb + PS_AMX_PF, *pf_end = (const char *)(lanes + nblocks * block);
+                    for (int64_t m0 = c0; m0 < c1; m0 += PS_AMX_PASS) {
+                        const int64_t rows = ps_min64(c1 - m0, PS_AMX_PASS);
+                        float *part = parts ? parts + ((m0 - c0) / PS_AMX_PASS * nblocks + b) * 1024 : NULL;
+                        if (rows != configured) {
+                            ps_amx_configure_pass(rows);
+                            configured = rows;
+                        }
+                        ps_amx_block_pass(xa + m0 * K, rows, wb, k_lo, k_hi, m0 == c0 ? pf : NULL, pf_end,
+                                          k_lo ? part : NULL);
+                        if (k_hi < K)
+                            ps_amx_keep(part);
+                        else
+                            ps_amx_epilogue(rows, bias ? bias + n0 : NULL, out + m0 * ldo + n0, ldo, ncols, gated, N);
                     }
-                    ps_amx_block_pass(xa + m0 * K, rows, wb, K, m0 == c0 ? pf : NULL, pf_end);
-                    ps_amx_epilogue(rows, bias ? bias + n0 : NULL, out + m0 * ldo + n0, ldo, ncols, gated, N);
                 }
             }
         }
         if (configured >= 0) _tile_release();
     }
+    free(parts);
     free(xa);
 }
 
