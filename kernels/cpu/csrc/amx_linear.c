@@ -26,7 +26,9 @@
  * Rows go in passes of 32 (two A tiles; C tiles sized to the pass's rows, the tile configuration loaded
  * again only when a pass has fewer rows than the last); a block's later passes read its weights from L2
  * (K x 64 bytes: 512 KiB at K = 8,192). Blocks of 32 columns go to the threads in contiguous ranges, and
- * each thread prefetches its weights PS_AMX_PF bytes ahead of the tile loads. More rows than PS_AMX_CHUNK
+ * each thread prefetches its weights PS_AMX_PF bytes ahead of the tile loads; with several passes a block, the
+ * next block's weights instead, to L2, a share each k-step of each pass (Llama-3.2-1B's 16 layers streamed from
+ * memory, family 6 model 167: 256 / 512 / 2,048 rows 311 / 624 / 2,463 -> 282 / 577 / 2,312 ms, 64 rows a tie). More rows than PS_AMX_CHUNK
  * bytes of A tiles hold (256 at K = 2,048) go in chunks, each a sweep over the blocks, so the A tiles stay
  * in L2 (without: 2,048 rows on one 2,048 x 2,048 weight re-read 8 MiB of them per block, 38 ms on one
  * thread against 19 with the chunks). Past K = 2,048, more than one pass of rows goes in slices of 2,048 k, each
@@ -85,7 +87,8 @@ static inline void ps_amx_pack_x(const uint16_t *x, int64_t ldx, int64_t M, int6
  * block), pf: the thread's prefetch cursor (NULL on a later pass of the block: its weights are in L2 by then), pf_end
  * its range's end; part: the sums of the k before k_lo (ps_amx_keep's layout), NULL to start from zero. */
 static inline void ps_amx_block_pass(const uint16_t *xa, int64_t rows, const uint16_t *wb, int64_t k_lo, int64_t k_hi,
-                                     const char *pf, const char *pf_end, const float *part) {
+                                     const char *pf, const char *pf_end, const float *part, const char *next,
+                                     int64_t share) {
     if (part) {
         _tile_loadd(0, part, 64);
         _tile_loadd(1, part + 256, 64);
@@ -104,6 +107,10 @@ static inline void ps_amx_block_pass(const uint16_t *xa, int64_t rows, const uin
             const char *p = pf + k0 * 64;
             if (p + 2048 <= pf_end)
                 for (int i = 0; i < 2048; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+        }
+        if (next) {
+            const char *p = next + (k0 - k_lo) / 32 * share;
+            for (int64_t i = 0; i < share; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
         }
         _tile_loadd(6, w, 128);
         _tile_loadd(7, w + 32, 128);
@@ -200,6 +207,11 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
                     const uint16_t *wb = lanes + b * block;
                     const int64_t n0 = b * width, ncols = ps_min64(N - n0, width);
                     const char *pf = (const char *)wb + PS_AMX_PF, *pf_end = (const char *)(lanes + nblocks * block);
+                    /* Several passes: the next block's weights (this slice's) are fetched to L2 while these passes
+                     * multiply, a share of them each k-step, so the stream and the tiles overlap */
+                    const int64_t npass = (c1 - c0 + PS_AMX_PASS - 1) / PS_AMX_PASS;
+                    const int64_t share = npass > 1 ? (2048 / npass + 63) / 64 * 64 : 0;
+                    const char *next = share && b + 1 < nblocks ? (const char *)(wb + block + k_lo * 32) : NULL;
                     for (int64_t m0 = c0; m0 < c1; m0 += PS_AMX_PASS) {
                         const int64_t rows = ps_min64(c1 - m0, PS_AMX_PASS);
                         float *part = parts ? parts + ((m0 - c0) / PS_AMX_PASS * nblocks + b) * 1024 : NULL;
@@ -207,8 +219,10 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
                             ps_amx_configure_pass(rows);
                             configured = rows;
                         }
-                        ps_amx_block_pass(xa + m0 * K, rows, wb, k_lo, k_hi, m0 == c0 ? pf : NULL, pf_end,
-                                          k_lo ? part : NULL);
+                        const int64_t p = (m0 - c0) / PS_AMX_PASS;
+                        ps_amx_block_pass(xa + m0 * K, rows, wb, k_lo, k_hi, m0 == c0 && !next ? pf : NULL, pf_end,
+                                          k_lo ? part : NULL, next ? next + p * (k_hi - k_lo) / 32 * share : NULL,
+                                          share);
                         if (k_hi < K)
                             ps_amx_keep(part);
                         else
