@@ -196,7 +196,7 @@ def test_fp8_attention_is_close_to_model_dtype_attention(dtype):
         err = (fp8.float() - exact.float()).abs()
         assert err.max() < 0.1 and err.mean() < 2.0**-6, (err.max(), err.mean())
         qsl = torch.tensor([0, 10, 60, 90], dtype=torch.int32, device=DEVICE)
-        qp = torch.randn((90, HKV * 3, 64)).to(dtype).to(DEVICE)
+        qp = torch.randn((90, HKV * 3, 64), generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
         exact = prefill(qp, pool[0, 0], pool[0, 1], kv.block_tables, kv.seq_lens_t, qsl, 0.125)
         fp8 = prefill(qp, *_fp8_pool(kv)[0], kv.block_tables, kv.seq_lens_t, qsl, 0.125)
         err = (fp8.float() - exact.float()).abs()
