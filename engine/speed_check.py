@@ -176,16 +176,16 @@ def prefill_batch(runner, tokens: int):
 
 def machine_rates(dtype: torch.dtype, cache_dir) -> dict[str, float]:
     """This machine's memory read rate and ``dtype`` matmul rate (measured once, cached per machine)."""
-    from kernels.cpu.dispatch import busy, interfered, machine_fingerprint, waited_ns
+    from kernels.cpu.dispatch import interference, interference_mark, machine_fingerprint
 
     path = cache_dir / f"machine-{machine_fingerprint()}-{str(dtype).replace('torch.', '')}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    mark = (waited_ns(), time.perf_counter())
+    mark = interference_mark()
     rates = {"memory_bytes_per_s": read_rate(), "gemm_flops_per_s": _gemm_rate(dtype)}
-    if busy() or interfered(mark):  # another process's load lowers both: taken again on a quieter start
+    if interference(mark):  # another process's load lowers both: taken again on a quieter start
         return rates
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -143,8 +143,8 @@ class Dispatcher:
         """Measured, and measured once more where other work took the CPUs meanwhile or the timings are ones more
         work cannot explain; cached only when an attempt was neither."""
         first, first_odd = None, None
-        for attempt in range(2):
-            mark = (waited_ns(), time.perf_counter())
+        for _ in range(2):
+            mark = interference_mark()
             choice = self._measure(op, key, eligible, make_input, rows, reference, tol, mode)
             taken = self._taken(mark)
             odd = None if taken else implausible(choice.times_ms)
@@ -169,10 +169,7 @@ class Dispatcher:
         """Why timings taken since ``mark`` are not this machine's to keep, or None."""
         if self.is_busy is not None:
             return "oversubscribed, as told" if self.is_busy() else None
-        if busy():
-            return f"oversubscribed: load {os.getloadavg()[0]:.1f} on {os.cpu_count() or 1} CPUs"
-        share = interfered(mark)
-        return f"this process waited for a CPU {share:.0%} of the time" if share is not None else None
+        return interference(mark)
 
     def summary(self) -> str:
         """One line for the start-up log: each op's choices, shapes with the same choice together."""
@@ -361,9 +358,9 @@ def waited_ns() -> int | None:
     run-queue delay, /proc/self/task/*/schedstat), plus the time the hypervisor took from this VM's CPUs (steal,
     /proc/stat): what other programs took from ours. None where the kernel reports neither. Why: a compile on
     both cores of a 2-core Intel Xeon (family 6 model 167) made int4_vnni time 12.1 ms a call on 1 row of a
-    960x576 weight (~0.02-0.05 ms quiet), the load average did not pass the busy line, and the cached choice bound torch's int4 kernel for good: the default model's batch of 8 ran at 330
-    tokens/s instead of ~500. Measured on that machine: a quiet 0.5 s spin waited 0.56 ms, beside two busy
-    processes 250 ms."""
+    960x576 weight (0.022 ms quiet), the load average did not pass the busy line, and the cached choice bound
+    torch's int4 kernel for good: the default model's batch of 8 ran at 300-350 tokens/s instead of 430-470.
+    Measured on that machine: a quiet 0.5 s spin waited 0.56 ms, beside two busy processes 250 ms."""
     total, seen = 0, False
     try:
         for tid in os.listdir("/proc/self/task"):
@@ -386,8 +383,22 @@ def waited_ns() -> int | None:
     return total if seen else None
 
 
+def interference_mark() -> tuple[int | None, float]:
+    """What :func:`interference` and :func:`interfered` measure from: (waited_ns(), time.perf_counter())."""
+    return waited_ns(), time.perf_counter()
+
+
+def interference(mark: tuple[int | None, float]) -> str | None:
+    """Why timings taken since ``mark`` (:func:`interference_mark`) are not this machine's to keep (the load
+    average, or this process's waits for a CPU), or None."""
+    if busy():
+        return f"oversubscribed: load {os.getloadavg()[0]:.1f} on {os.cpu_count() or 1} CPUs"
+    share = interfered(mark)
+    return f"this process waited for a CPU {share:.0%} of the time" if share is not None else None
+
+
 def interfered(mark: tuple[int | None, float], share: float = INTERFERENCE) -> float | None:
-    """The share of the wall time since ``mark`` (waited_ns(), time.perf_counter()) that this process waited
+    """The share of the wall time since ``mark`` (:func:`interference_mark`) that this process waited
     for a CPU, where over ``share``; None otherwise or where the kernel does not say."""
     before, t0 = mark
     now = waited_ns()

@@ -277,16 +277,15 @@ def test_run_queue_waits_are_counted_when_other_processes_hold_the_cpus():
     where the load average (a minute's mean) lags."""
     import subprocess
     import sys
-    import time
 
-    from kernels.cpu.dispatch import interfered, waited_ns
+    from kernels.cpu.dispatch import interfered, interference_mark, waited_ns
 
     if waited_ns() is None:
         pytest.skip("the kernel reports no run-queue waits here")
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((os.cpu_count() or 1) + 1)]
     try:
         time.sleep(0.2)
-        mark = (waited_ns(), time.perf_counter())
+        mark = interference_mark()
         end = time.perf_counter() + 0.5
         while time.perf_counter() < end:
             pass

@@ -28,9 +28,9 @@
  * (K x 64 bytes: 512 KiB at K = 8,192). Blocks of 32 columns go to the threads in contiguous ranges, and
  * each thread prefetches its weights PS_AMX_PF bytes ahead of the tile loads; with several passes a block, the
  * next block's weights instead, to L2, a share each k-step of each pass (Llama-3.2-1B's 16 layers streamed from
- * memory, family 6 model 167: 256 / 512 / 2,048 rows 311 / 624 / 2,463 -> 282 / 577 / 2,312 ms, 64 rows a tie). More rows than PS_AMX_CHUNK
- * bytes of A tiles hold (256 at K = 2,048) go in chunks, each a sweep over the blocks, so the A tiles stay
- * in L2 (without: 2,048 rows on one 2,048 x 2,048 weight re-read 8 MiB of them per block, 38 ms on one
+ * memory, family 6 model 167: 256 / 512 / 2,048 rows 311 / 624 / 2,463 -> 282 / 577 / 2,312 ms, 64 rows a
+ * tie). More rows than PS_AMX_CHUNK bytes of A tiles hold (256 at K = 2,048) go in chunks, each a sweep over
+ * the blocks, so the A tiles stay in L2 (without: 2,048 rows on one 2,048 x 2,048 weight re-read 8 MiB of them per block, 38 ms on one
  * thread against 19 with the chunks). Past K = 2,048, more than one pass of rows goes in slices of 2,048 k, each
  * slice's sweep adding to the sums the last one kept (a chunk stays 256 rows: Llama-3.2-1B's down projection at
  * 2,048 rows 51-57 -> 46 ms, 512 rows 11.3-11.5 -> 8.7-8.9; oneDNN 38-40 and 11.0; family 6 model 167). A K that is
@@ -55,9 +55,7 @@
 #define PS_AMX_PF 4096      /* bytes of weights prefetched ahead (two steps of 32 k) */
 
 #define PS_AMX_CHUNK (1 << 20) /* bytes of A tiles a chunk of rows holds */
-#ifndef PS_AMX_KSLICE
-#define PS_AMX_KSLICE 2048 /* k a sweep takes at most when rows need more than one pass: partial sums kept */
-#endif
+#define PS_AMX_KSLICE 2048     /* k a sweep takes at most when rows need more than one pass: partial sums kept */
 
 static inline int64_t ps_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t ps_max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -85,7 +83,8 @@ static inline void ps_amx_pack_x(const uint16_t *x, int64_t ldx, int64_t M, int6
 
 /* C[r][h] for one block and one pass over k_lo .. k_hi: the pass's A tiles xa (ps_amx_pack_x), weights wb (the
  * block), pf: the thread's prefetch cursor (NULL on a later pass of the block: its weights are in L2 by then), pf_end
- * its range's end; part: the sums of the k before k_lo (ps_amx_keep's layout), NULL to start from zero. */
+ * its range's end; part: the sums of the k before k_lo (ps_amx_keep's layout), NULL to start from zero; next: this
+ * pass's part of the next block's weights, fetched to L2 `share` bytes a k-step (NULL: none). */
 static inline void ps_amx_block_pass(const uint16_t *xa, int64_t rows, const uint16_t *wb, int64_t k_lo, int64_t k_hi,
                                      const char *pf, const char *pf_end, const float *part, const char *next,
                                      int64_t share) {
@@ -213,13 +212,12 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
                     const int64_t share = npass > 1 ? (2048 / npass + 63) / 64 * 64 : 0;
                     const char *next = share && b + 1 < nblocks ? (const char *)(wb + block + k_lo * 32) : NULL;
                     for (int64_t m0 = c0; m0 < c1; m0 += PS_AMX_PASS) {
-                        const int64_t rows = ps_min64(c1 - m0, PS_AMX_PASS);
-                        float *part = parts ? parts + ((m0 - c0) / PS_AMX_PASS * nblocks + b) * 1024 : NULL;
+                        const int64_t rows = ps_min64(c1 - m0, PS_AMX_PASS), p = (m0 - c0) / PS_AMX_PASS;
+                        float *part = parts ? parts + (p * nblocks + b) * 1024 : NULL;
                         if (rows != configured) {
                             ps_amx_configure_pass(rows);
                             configured = rows;
                         }
-                        const int64_t p = (m0 - c0) / PS_AMX_PASS;
                         ps_amx_block_pass(xa + m0 * K, rows, wb, k_lo, k_hi, m0 == c0 && !next ? pf : NULL, pf_end,
                                           k_lo ? part : NULL, next ? next + p * (k_hi - k_lo) / 32 * share : NULL,
                                           share);
