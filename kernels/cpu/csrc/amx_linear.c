@@ -20,7 +20,7 @@
  *
  *     B0 = tile(wb + j0 * 64,      stride 128 B)   columns n0 .. n0+15, k pairs j0 .. j0+15
  *     B1 = tile(wb + j0 * 64 + 32, stride 128 B)   columns n0+16 .. n0+31
- *     A  = 16 rows x 32 k of x, copied once per call into tile order (ps_amx_pack_x: stride 64 B)
+ *     A  = tile(x + m0 * ldx + k0, stride ldx * 2 B) 16 rows x 32 k of x, read where they lie
  *     C[r][h] += A_r B_h                             tiles 0-3: 2 row blocks x 2 column halves
  *
  * Rows go in passes of 32 (two A tiles; C tiles sized to the pass's rows, the tile configuration loaded
@@ -35,6 +35,18 @@
  * slice's sweep adding to the sums the last one kept (a chunk stays 256 rows: Llama-3.2-1B's down projection at
  * 2,048 rows 51-57 -> 46 ms, 512 rows 11.3-11.5 -> 8.7-8.9; oneDNN 38-40 and 11.0; family 6 model 167). A K that is
  * not a multiple of 32 (no whole A tiles) goes to lanes_linear.c on the same layout.
+ *
+ * The A tiles are read from x where it lies (a tile load's stride is x's row stride). An earlier version first copied
+ * x into tile order, into a buffer malloc'd per call (mmap'd and faulted in page by page above 128 KiB): the copy and
+ * the faults were a third of a prefill call (SmolLM2's 576 x 576 at 512 / 2,048 rows 234 / 1,026 -> 162 / 688 us,
+ * Llama-3.2-1B's 2,048 x 2,048 at 2,048 rows 9.3 -> 8.1 ms; decode rows unchanged), while tile loads from x, 16 rows
+ * K x 2 bytes apart, ran as fast as from the copy (one thread, A in L2: 47.5 vs 45.4 ns a step at K = 576, 56.8 vs
+ * 56.0 at K = 2,048; family 6 model 167).
+ *
+ * A pass's sums go out (bias, rounding, and the gated form's SiLU, an exp and a division a row) during the thread's
+ * next pass, a few rows between its k-steps, so the vector units work while the tiles multiply; written straight
+ * after their pass, they stalled the tiles: SmolLM2's gate_up + SiLU-and-multiply at 512 rows 1.39 -> 0.93 ms (the
+ * SiLU alone had been a third of it), 576 x 576 166 -> 150 us, 64 rows 187 -> 141 us (family 6 model 167).
  *
  * Measured (2-core Intel Xeon, family 6 model 207, AMX; weights streamed from memory, bfloat16, time per
  * step against oneDNN's packed AMX GEMM; results/intel-f6m207-amx/packed_linear_amx*.json): SmolLM2's 30
@@ -68,26 +80,55 @@ static inline void ps_amx_configure_pass(int64_t rows) {
     ps_amx_configure_rows(cfg);
 }
 
-/* x [M, K] (row stride ldx) -> xa, the A tiles in the order the passes read them: pass p's step s (k 32 s ..
- * 32 s + 31) is 32 rows x 64 bytes at xa + (p S + s) 1,024, so an A tile is 16 rows at a stride of 64 bytes
- * (x's own rows are K x 2 bytes apart: 16 pages for one tile at K = 2,048). Rows over the threads. */
-static inline void ps_amx_pack_x(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xa) {
-    const int64_t S = K / 32;
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-        uint16_t *dst = xa + ((m / PS_AMX_PASS) * S * PS_AMX_PASS + m % PS_AMX_PASS) * 32;
-        for (int64_t s = 0; s < S; ++s)
-            _mm512_storeu_si512(dst + s * PS_AMX_PASS * 32, _mm512_loadu_si512(x + m * ldx + 32 * s));
+/* A finished pass's sums (ps_amx_keep's layout) and where they go: out's columns n0 .. n0 + ncols of its rows. */
+typedef struct {
+    float c[2][2][16][16]; /* [row block][column half][row][column] */
+    int64_t rows, ncols;
+    const uint16_t *bias; /* at column n0, or NULL */
+    uint16_t *out;        /* row 0, column n0 */
+} ps_amx_done;
+
+/* Rows m_lo .. m_hi of a finished pass to out (row stride ldo), bias added and rounded once; gated: silu(gate) *
+ * up as lanes_linear.c's epilogue (width 16, up bias `up` apart). */
+static inline void ps_amx_finish(const ps_amx_done *d, int64_t m_lo, int64_t m_hi, int64_t ldo, int gated,
+                                 int64_t up) {
+    const uint16_t *bias = d->bias;
+    const int64_t ncols = d->ncols;
+    if (gated) {
+        const __mmask16 lo = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
+        const __m512 bg = bias ? ps_load16_bf16(bias, lo) : _mm512_setzero_ps();
+        const __m512 bu = bias ? ps_load16_bf16(bias + up, lo) : _mm512_setzero_ps();
+        for (int64_t m = m_lo; m < m_hi; ++m) {
+            const __m512 g = ps_round16_bf16(_mm512_add_ps(_mm512_load_ps(d->c[m / 16][0][m % 16]), bg));
+            const __m512 u = ps_round16_bf16(_mm512_add_ps(_mm512_load_ps(d->c[m / 16][1][m % 16]), bu));
+            ps_store16_bf16(d->out + m * ldo, _mm512_mul_ps(ps_round16_bf16(ps_silu16(g)), u), lo);
+        }
+        return;
+    }
+    const __mmask16 lo = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
+    const __mmask16 hi = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1u);
+    const __m512 b0 = bias ? ps_load16_bf16(bias, lo) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? ps_load16_bf16(bias + 16, hi) : _mm512_setzero_ps();
+    for (int64_t m = m_lo; m < m_hi; ++m) {
+        const __m512 v0 = _mm512_add_ps(_mm512_load_ps(d->c[m / 16][0][m % 16]), b0);
+        const __m512 v1 = _mm512_add_ps(_mm512_load_ps(d->c[m / 16][1][m % 16]), b1);
+        _mm256_mask_storeu_epi16(d->out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(v0));
+        _mm256_mask_storeu_epi16(d->out + m * ldo + 16, hi, (__m256i)_mm512_cvtneps_pbh(v1));
     }
 }
 
-/* C[r][h] for one block and one pass over k_lo .. k_hi: the pass's A tiles xa (ps_amx_pack_x), weights wb (the
+/* C[r][h] for one block and one pass over k_lo .. k_hi: the pass's rows of x at xa (row stride lda), weights wb (the
  * block), pf: the thread's prefetch cursor (NULL on a later pass of the block: its weights are in L2 by then), pf_end
  * its range's end; part: the sums of the k before k_lo (ps_amx_keep's layout), NULL to start from zero; next: this
- * pass's part of the next block's weights, fetched to L2 `share` bytes a k-step (NULL: none). */
-static inline void ps_amx_block_pass(const uint16_t *xa, int64_t rows, const uint16_t *wb, int64_t k_lo, int64_t k_hi,
-                                     const char *pf, const char *pf_end, const float *part, const char *next,
-                                     int64_t share) {
+ * pass's part of the next block's weights, fetched to L2 `share` bytes a k-step (NULL: none); prev: the thread's
+ * last finished pass, whose rows go to out a few between k-steps (the vector units round them, add biases and
+ * apply SiLU while the tiles multiply), all of them by the end (NULL: none). */
+static inline void ps_amx_block_pass(const uint16_t *xa, int64_t lda, int64_t rows, const uint16_t *wb, int64_t k_lo,
+                                     int64_t k_hi, const char *pf, const char *pf_end, const float *part,
+                                     const char *next, int64_t share, const ps_amx_done *prev, int64_t ldo, int gated,
+                                     int64_t up) {
+    const int64_t steps = (k_hi - k_lo) / 32, per_step = prev ? (prev->rows + steps - 1) / steps : 0;
+    int64_t finished = 0; /* prev's rows written */
     if (part) {
         _tile_loadd(0, part, 64);
         _tile_loadd(1, part + 256, 64);
@@ -113,58 +154,30 @@ static inline void ps_amx_block_pass(const uint16_t *xa, int64_t rows, const uin
         }
         _tile_loadd(6, w, 128);
         _tile_loadd(7, w + 32, 128);
-        const uint16_t *a = xa + k0 * PS_AMX_PASS; /* step k0 / 32: 32 rows x 32 k */
-        _tile_loadd(4, a, 64);
+        const uint16_t *a = xa + k0; /* step k0 / 32: rows 0-15, then 16-31, x 32 k */
+        _tile_loadd(4, a, lda * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
-            _tile_loadd(5, a + 16 * 32, 64);
+            _tile_loadd(5, a + 16 * lda, lda * 2);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (finished < (prev ? prev->rows : 0)) {
+            const int64_t m_hi = ps_min64(prev->rows, finished + per_step);
+            ps_amx_finish(prev, finished, m_hi, ldo, gated, up);
+            finished = m_hi;
+        }
     }
+    if (prev && finished < prev->rows) ps_amx_finish(prev, finished, prev->rows, ldo, gated, up);
 }
 
-/* The pass's partial sums to part: [row block][column half][16 rows][16 columns] float32, as the epilogue's c. */
+/* The pass's partial sums to part: [row block][column half][16 rows][16 columns] float32, as ps_amx_done's c. */
 static inline void ps_amx_keep(float *part) {
     _tile_stored(0, part, 64);
     _tile_stored(1, part + 256, 64);
     _tile_stored(2, part + 512, 64);
     _tile_stored(3, part + 768, 64);
-}
-
-/* The pass's sums to out (row stride ldo): columns n0 .. n0 + ncols of rows 0 .. rows, bias added and
- * rounded once; gated: silu(gate) * up as lanes_linear.c's epilogue (width 16, up bias `up` apart). */
-static inline void ps_amx_epilogue(int64_t rows, const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t ncols,
-                                   int gated, int64_t up) {
-    float c[2][2][16][16] __attribute__((aligned(64))); /* [row block][column half][row][column] */
-    _tile_stored(0, c[0][0], 64);
-    _tile_stored(1, c[0][1], 64);
-    if (rows > 16) {
-        _tile_stored(2, c[1][0], 64);
-        _tile_stored(3, c[1][1], 64);
-    }
-    if (gated) {
-        const __mmask16 lo = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
-        const __m512 bg = bias ? ps_load16_bf16(bias, lo) : _mm512_setzero_ps();
-        const __m512 bu = bias ? ps_load16_bf16(bias + up, lo) : _mm512_setzero_ps();
-        for (int64_t m = 0; m < rows; ++m) {
-            const __m512 g = ps_round16_bf16(_mm512_add_ps(_mm512_load_ps(c[m / 16][0][m % 16]), bg));
-            const __m512 u = ps_round16_bf16(_mm512_add_ps(_mm512_load_ps(c[m / 16][1][m % 16]), bu));
-            ps_store16_bf16(out + m * ldo, _mm512_mul_ps(ps_round16_bf16(ps_silu16(g)), u), lo);
-        }
-        return;
-    }
-    const __mmask16 lo = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
-    const __mmask16 hi = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1u);
-    const __m512 b0 = bias ? ps_load16_bf16(bias, lo) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? ps_load16_bf16(bias + 16, hi) : _mm512_setzero_ps();
-    for (int64_t m = 0; m < rows; ++m) {
-        const __m512 v0 = _mm512_add_ps(_mm512_load_ps(c[m / 16][0][m % 16]), b0);
-        const __m512 v1 = _mm512_add_ps(_mm512_load_ps(c[m / 16][1][m % 16]), b1);
-        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(v0));
-        _mm256_mask_storeu_epi16(out + m * ldo + 16, hi, (__m256i)_mm512_cvtneps_pbh(v1));
-    }
 }
 
 void ps_lanes_linear_bf16(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out, int64_t M,
@@ -184,18 +197,17 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
      * keeps its sums between slices (4 KiB, ps_amx_keep). */
     const int64_t ks = M > PS_AMX_PASS ? ps_min64(K, PS_AMX_KSLICE) : K; /* one pass reuses nothing: unsliced */
     const int64_t chunk = ps_max64(PS_AMX_PASS, PS_AMX_CHUNK / (2 * ks) / PS_AMX_PASS * PS_AMX_PASS);
-    uint16_t *xa = K % 32 ? NULL : malloc((size_t)(passes * PS_AMX_PASS * K) * sizeof(uint16_t));
-    float *parts = K > ks && xa ? malloc((size_t)(ps_min64(chunk, passes * PS_AMX_PASS) / PS_AMX_PASS * nblocks * 1024)
+    float *parts = K > ks && K % 32 == 0 ? malloc((size_t)(ps_min64(chunk, passes * PS_AMX_PASS) / PS_AMX_PASS * nblocks * 1024)
                                          * sizeof(float)) : NULL;
-    if (!xa || (K > ks && !parts)) { /* no whole A tiles, or no memory: the same layout through vdpbf16ps */
-        free(xa);
+    if (K % 32 || (K > ks && !parts)) { /* no whole A tiles, or no memory: the same layout through vdpbf16ps */
         (gated ? ps_lanes_linear_bf16_gated : ps_lanes_linear_bf16)(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads);
         return;
     }
 #pragma omp parallel num_threads(nthreads)
     {
-        ps_amx_pack_x(x, ldx, M, K, xa); /* ends in a barrier: every A tile is in place */
         int64_t configured = -1; /* the rows the tiles are configured for */
+        ps_amx_done done __attribute__((aligned(64))); /* the last finished pass, written out during the next one */
+        int pending = 0;                                /* done holds rows not yet written */
         for (int64_t c0 = 0; c0 < M; c0 += chunk) {
             const int64_t c1 = ps_min64(M, c0 + chunk);
             for (int64_t k_lo = 0; k_lo < K; k_lo += ks) {
@@ -218,21 +230,26 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
                             ps_amx_configure_pass(rows);
                             configured = rows;
                         }
-                        ps_amx_block_pass(xa + m0 * K, rows, wb, k_lo, k_hi, m0 == c0 && !next ? pf : NULL, pf_end,
+                        const int last = k_hi == K; /* the pass's sums are complete */
+                        ps_amx_block_pass(x + m0 * ldx, ldx, rows, wb, k_lo, k_hi, m0 == c0 && !next ? pf : NULL, pf_end,
                                           k_lo ? part : NULL, next ? next + p * (k_hi - k_lo) / 32 * share : NULL,
-                                          share);
-                        if (k_hi < K)
+                                          share, last && pending ? &done : NULL, ldo, gated, N);
+                        if (!last) {
                             ps_amx_keep(part);
-                        else
-                            ps_amx_epilogue(rows, bias ? bias + n0 : NULL, out + m0 * ldo + n0, ldo, ncols, gated, N);
+                            continue;
+                        }
+                        ps_amx_keep(&done.c[0][0][0][0]);
+                        done.rows = rows, done.ncols = ncols, done.out = out + m0 * ldo + n0;
+                        done.bias = bias ? bias + n0 : NULL;
+                        pending = 1;
                     }
                 }
             }
         }
+        if (pending) ps_amx_finish(&done, 0, done.rows, ldo, gated, N);
         if (configured >= 0) _tile_release();
     }
     free(parts);
-    free(xa);
 }
 
 void ps_amx_linear_bf16(const uint16_t *x, const uint16_t *lanes, const uint16_t *bias, uint16_t *out, int64_t M,
