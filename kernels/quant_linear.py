@@ -239,7 +239,7 @@ def with_onednn_int8(qw: QuantizedWeight, probe: bool = False) -> QuantizedWeigh
 
 
 # The bfloat16 table is a second copy of the head at twice the int8 bytes (335 MiB for Gemma 3's 262k x 640), the
-# 8-bit tiles one at the same bytes: at most one is kept, and only one that computes the logits at least this many
+# 8-bit tiles and oneDNN's prepacked int8 table one each at the same bytes: at most one is kept, and only one that computes the logits at least this many
 # times faster than the int8 table at some row count (choices.worth_their_memory).
 HEAD_COPY_GAIN = 1.5
 
@@ -248,8 +248,8 @@ def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
     """An int8 LM head with the kernel of its logits measured here per row count (kernels/cpu/choices.py)
     among torch's int8 kernel ("int8pack"), the C int4 kernel's tiles with 8-bit weights on AVX512-VNNI or AVX2
     ("int8_vnni", a second copy at the int8 bytes, kept only where chosen), oneDNN's int8 matmul where the CPU has an int8 dot product
-    ("onednn_int8"; measured once at 670 ms a call where oneDNN ran its reference kernel, against 26 ms for
-    int8pack) and the table in bfloat16 through oneDNN ("bf16", a second copy at twice the int8 bytes, kept
+    ("onednn_int8", a prepacked second copy at the int8 bytes, kept only where chosen; measured once at 670 ms a
+    call where oneDNN ran its reference kernel, against 26 ms for int8pack) and the table in bfloat16 through oneDNN ("bf16", a second copy at twice the int8 bytes, kept
     only where chosen); the float32 refinement of quantized_logits follows any of them."""
     if qw.layout != "int8" or qw.exact_scales is None:
         return qw
@@ -281,7 +281,8 @@ def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
     # 64 for SmolLM2's head, the bfloat16 table 4.8 and ~50)
     if onednn_linear_available() and (onednn_bf16_supported() or _bf16_rows_kernel()):
         candidates["bf16"] = bf16_fn
-    spans = lm_head_spans(dispatch, qw, candidates, second_copies={"int8_vnni": HEAD_COPY_GAIN, "bf16": HEAD_COPY_GAIN})  # one at most
+    copies = {"int8_vnni": HEAD_COPY_GAIN, "onednn_int8": HEAD_COPY_GAIN, "bf16": HEAD_COPY_GAIN}  # one at most
+    spans = lm_head_spans(dispatch, qw, candidates, second_copies=copies)
     used = {name for _, name in spans}
     return dataclasses.replace(qw, onednn=with_onednn_int8(qw).onednn if "onednn_int8" in used else None,
                                dense=bf16_table() if "bf16" in used else None, logits_spans=spans,

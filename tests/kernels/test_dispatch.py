@@ -246,6 +246,28 @@ def test_a_second_copy_is_kept_where_it_pays_and_then_used_wherever_fastest():
     assert worth_their_memory(amx, {"int8_vnni": 1.5, "bf16": 1.5}) == ((EVERY, "bf16"),)
 
 
+def test_onednns_prepacked_int8_head_is_charged_as_a_second_copy(monkeypatch, tmp_path):
+    """oneDNN's int8 logits run on a prepacked copy of the table (qlinear_prepack), as the 8-bit tiles do: it is
+    bound only where it pays HEAD_COPY_GAIN, and never beside another copy. Measured 1.2x faster than torch's int8
+    kernel at every row count (below the gain), the head keeps no prepacked table."""
+    from kernels.cpu.dispatch import Choice
+    from kernels.quant_linear import int8_from_float, with_logits_kernels, with_onednn_int8
+
+    times = {"int8pack": {"1": 1.2, "8": 6.0, "64": 48.0}, "onednn_int8": {"1": 1.0, "8": 5.0, "64": 40.0}}
+    fake = Choice("lm_head", "int8 256x32", ((EVERY, "onednn_int8"),), times)
+    monkeypatch.setattr(Dispatcher, "choose", lambda self, *a, **k: fake)
+    head = with_logits_kernels(int8_from_float(torch.randn(256, 32)), Dispatcher(cache_dir=tmp_path, overrides=""))
+    assert head.logits_spans == ((EVERY, "int8pack"),) and head.onednn is None
+    # 2x faster somewhere: worth its copy, and then bound
+    fast = Choice("lm_head", "int8 256x32", ((EVERY, "onednn_int8"),),
+                  {**times, "onednn_int8": {"1": 0.6, "8": 5.0, "64": 40.0}})
+    monkeypatch.setattr(Dispatcher, "choose", lambda self, *a, **k: fast)
+    qw = int8_from_float(torch.randn(256, 32))
+    head = with_logits_kernels(qw, Dispatcher(cache_dir=tmp_path, overrides=""))
+    assert head.logits_spans == ((EVERY, "onednn_int8"),)
+    assert (head.onednn is not None) == (with_onednn_int8(qw, probe=True).onednn is not None)
+
+
 def test_a_per_row_step_measured_twice_alike_is_kept(tmp_path, caplog):
     """More rows far slower per row, twice within 1.5x: a candidate of two kernels (the bfloat16 LM head on an
     AVX2-only Zen 3: the row kernel at 4 rows, a GEMM on the table widened per call at 32), bound and cached.
