@@ -194,10 +194,9 @@ def widened_int4_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     products go through AVX2's vpmaddubsw the int4 kernel multiplies at ~20 GMAC/s a core, the float32 GEMM at
     ~2x that; where oneDNN multiplies bfloat16 on AMX tiles a GEMM outruns the int4 kernel's two int8 digits
     many times over (with_gemm_rows measures where). The activations stay as they are, not two int8 digits."""
-    if x.dtype == torch.bfloat16:
-        return F.linear(x, int4_linear.int4_dequantize_cpu(qw.packed, qw.scales, qw.group_size, torch.bfloat16))
-    w = int4_linear.int4_dequantize_cpu(qw.packed, qw.scales, qw.group_size)  # [N, K] float32
-    return F.linear(x.float(), w).to(x.dtype)
+    dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    w = int4_linear.int4_dequantize_cpu(qw.packed, qw.scales, qw.group_size, dtype)  # [N, K]
+    return F.linear(x.to(dtype), w).to(x.dtype)
 
 
 def with_gemm_rows(qw, dispatch, dtype: torch.dtype = torch.float32):
@@ -239,18 +238,20 @@ def with_onednn_int8(qw: QuantizedWeight, probe: bool = False) -> QuantizedWeigh
 
 
 # The bfloat16 table is a second copy of the head at twice the int8 bytes (335 MiB for Gemma 3's 262k x 640), the
-# 8-bit tiles and oneDNN's prepacked int8 table one each at the same bytes: at most one is kept, and only one that computes the logits at least this many
-# times faster than the int8 table at some row count (choices.worth_their_memory).
+# 8-bit tiles and oneDNN's prepacked int8 table one each at the same bytes: at most one is kept, and only one that
+# computes the logits at least this many times faster than the int8 table at some row count
+# (choices.worth_their_memory).
 HEAD_COPY_GAIN = 1.5
 
 
 def with_logits_kernels(qw: QuantizedWeight, dispatch) -> QuantizedWeight:
     """An int8 LM head with the kernel of its logits measured here per row count (kernels/cpu/choices.py)
     among torch's int8 kernel ("int8pack"), the C int4 kernel's tiles with 8-bit weights on AVX512-VNNI or AVX2
-    ("int8_vnni", a second copy at the int8 bytes, kept only where chosen), oneDNN's int8 matmul where the CPU has an int8 dot product
-    ("onednn_int8", a prepacked second copy at the int8 bytes, kept only where chosen; measured once at 670 ms a
-    call where oneDNN ran its reference kernel, against 26 ms for int8pack) and the table in bfloat16 through oneDNN ("bf16", a second copy at twice the int8 bytes, kept
-    only where chosen); the float32 refinement of quantized_logits follows any of them."""
+    ("int8_vnni", a second copy at the int8 bytes, kept only where chosen), oneDNN's int8 matmul where the CPU has
+    an int8 dot product ("onednn_int8", a prepacked second copy at the int8 bytes, kept only where chosen; measured
+    once at 670 ms a call where oneDNN ran its reference kernel, against 26 ms for int8pack) and the table in
+    bfloat16 through oneDNN ("bf16", a second copy at twice the int8 bytes, kept only where chosen); the float32
+    refinement of quantized_logits follows any of them."""
     if qw.layout != "int8" or qw.exact_scales is None:
         return qw
     from .cpu.choices import lm_head_spans

@@ -30,11 +30,12 @@
  * next block's weights instead, to L2, a share each k-step of each pass (Llama-3.2-1B's 16 layers streamed from
  * memory, family 6 model 167: 256 / 512 / 2,048 rows 311 / 624 / 2,463 -> 282 / 577 / 2,312 ms, 64 rows a
  * tie). More rows than PS_AMX_CHUNK bytes of A tiles hold (256 at K = 2,048) go in chunks, each a sweep over
- * the blocks, so the A tiles stay in L2 (without: 2,048 rows on one 2,048 x 2,048 weight re-read 8 MiB of them per block, 38 ms on one
- * thread against 19 with the chunks). Past K = 2,048, more than one pass of rows goes in slices of 2,048 k, each
- * slice's sweep adding to the sums the last one kept (a chunk stays 256 rows: Llama-3.2-1B's down projection at
- * 2,048 rows 51-57 -> 46 ms, 512 rows 11.3-11.5 -> 8.7-8.9; oneDNN 38-40 and 11.0; family 6 model 167). A K that is
- * not a multiple of 32 (no whole A tiles) goes to lanes_linear.c on the same layout.
+ * the blocks, so the A tiles stay in L2 (without: 2,048 rows on one 2,048 x 2,048 weight re-read 8 MiB of them
+ * per block, 38 ms on one thread against 19 with the chunks). Past K = 2,048, more than one pass of rows goes in
+ * slices of 2,048 k, each slice's sweep adding to the sums the last one kept (a chunk stays 256 rows:
+ * Llama-3.2-1B's down projection at 2,048 rows 51-57 -> 46 ms, 512 rows 11.3-11.5 -> 8.7-8.9; oneDNN 38-40 and
+ * 11.0; family 6 model 167). A K that is not a multiple of 32 (no whole A tiles) goes to lanes_linear.c on the same
+ * layout.
  *
  * The A tiles are read from x where it lies (a tile load's stride is x's row stride). An earlier version first copied
  * x into tile order, into a buffer malloc'd per call (mmap'd and faulted in page by page above 128 KiB): the copy and
@@ -45,8 +46,9 @@
  *
  * A pass's sums go out (bias, rounding, and the gated form's SiLU, an exp and a division a row) during the thread's
  * next pass, a few rows between its k-steps, so the vector units work while the tiles multiply; written straight
- * after their pass, they stalled the tiles: SmolLM2's gate_up + SiLU-and-multiply at 512 rows 1.39 -> 0.93 ms (the
- * SiLU alone had been a third of it), 576 x 576 166 -> 150 us, 64 rows 187 -> 141 us (family 6 model 167).
+ * after their pass, they stalled the tiles: SmolLM2's gate_up + SiLU-and-multiply at 512 rows 1.39 -> 0.90 ms (the
+ * SiLU alone had been a third of it), at 64 rows 186 -> 136 us, 576 x 576 at 512 rows 162 -> 144 us (family 6
+ * model 167).
  *
  * Measured (2-core Intel Xeon, family 6 model 207, AMX; weights streamed from memory, bfloat16, time per
  * step against oneDNN's packed AMX GEMM; results/intel-f6m207-amx/packed_linear_amx*.json): SmolLM2's 30
@@ -197,8 +199,8 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
      * keeps its sums between slices (4 KiB, ps_amx_keep). */
     const int64_t ks = M > PS_AMX_PASS ? ps_min64(K, PS_AMX_KSLICE) : K; /* one pass reuses nothing: unsliced */
     const int64_t chunk = ps_max64(PS_AMX_PASS, PS_AMX_CHUNK / (2 * ks) / PS_AMX_PASS * PS_AMX_PASS);
-    float *parts = K > ks && K % 32 == 0 ? malloc((size_t)(ps_min64(chunk, passes * PS_AMX_PASS) / PS_AMX_PASS * nblocks * 1024)
-                                         * sizeof(float)) : NULL;
+    const int64_t kept = ps_min64(chunk, passes * PS_AMX_PASS) / PS_AMX_PASS * nblocks; /* (pass, block) sums */
+    float *parts = K > ks && K % 32 == 0 ? malloc((size_t)(kept * 1024) * sizeof(float)) : NULL;
     if (K % 32 || (K > ks && !parts)) { /* no whole A tiles, or no memory: the same layout through vdpbf16ps */
         (gated ? ps_lanes_linear_bf16_gated : ps_lanes_linear_bf16)(x, lanes, bias, out, M, N, K, ldx, ldo, nthreads);
         return;
@@ -206,8 +208,8 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t configured = -1; /* the rows the tiles are configured for */
-        ps_amx_done done __attribute__((aligned(64))); /* the last finished pass, written out during the next one */
-        int pending = 0;                                /* done holds rows not yet written */
+        /* the last finished pass, written out during the next one (no rows before the first) */
+        ps_amx_done done __attribute__((aligned(64))) = {.rows = 0};
         for (int64_t c0 = 0; c0 < M; c0 += chunk) {
             const int64_t c1 = ps_min64(M, c0 + chunk);
             for (int64_t k_lo = 0; k_lo < K; k_lo += ks) {
@@ -231,9 +233,10 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
                             configured = rows;
                         }
                         const int last = k_hi == K; /* the pass's sums are complete */
-                        ps_amx_block_pass(x + m0 * ldx, ldx, rows, wb, k_lo, k_hi, m0 == c0 && !next ? pf : NULL, pf_end,
-                                          k_lo ? part : NULL, next ? next + p * (k_hi - k_lo) / 32 * share : NULL,
-                                          share, last && pending ? &done : NULL, ldo, gated, N);
+                        ps_amx_block_pass(x + m0 * ldx, ldx, rows, wb, k_lo, k_hi, m0 == c0 && !next ? pf : NULL,
+                                          pf_end, k_lo ? part : NULL,
+                                          next ? next + p * (k_hi - k_lo) / 32 * share : NULL, share,
+                                          last ? &done : NULL, ldo, gated, N);
                         if (!last) {
                             ps_amx_keep(part);
                             continue;
@@ -241,12 +244,11 @@ static void ps_amx_linear(const uint16_t *x, const uint16_t *lanes, const uint16
                         ps_amx_keep(&done.c[0][0][0][0]);
                         done.rows = rows, done.ncols = ncols, done.out = out + m0 * ldo + n0;
                         done.bias = bias ? bias + n0 : NULL;
-                        pending = 1;
                     }
                 }
             }
         }
-        if (pending) ps_amx_finish(&done, 0, done.rows, ldo, gated, N);
+        ps_amx_finish(&done, 0, done.rows, ldo, gated, N);
         if (configured >= 0) _tile_release();
     }
     free(parts);
